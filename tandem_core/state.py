@@ -1,0 +1,135 @@
+"""The cache state contract: how every cache tier reads and writes a sequence.
+
+A ``ModelState`` has
+- ``sections``: recurrent state by name (``gdn.S``, ``gdn.conv``), copied whole;
+- ``views``: position-indexed buffers (``K``, ``V``) with a token axis, of which
+  only the first ``length`` positions hold the sequence;
+- ``length``: the number of tokens the state holds.
+
+The engine's live state (``engine.state``) wraps the engine's own buffers: the
+tensors are the buffers, so a ``restore`` lands where the engine (and any graph
+captured on those buffers) reads them. A ``clone()`` is a detached snapshot that
+owns its tensors: the views are cut to ``length`` along their token axis, so a
+snapshot's size grows with its tokens, not with the buffer's capacity.
+
+``signature()`` names every tensor's dtype and non-token shape; ``restore``
+refuses a snapshot whose signature differs, naming the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+__all__ = ["View", "ModelState", "StateMismatch"]
+
+
+class StateMismatch(ValueError):
+    """A restore across shapes or dtypes, or past a view's capacity."""
+
+
+@dataclass(frozen=True)
+class View:
+    """A buffer with a token axis. Positions ``[0, length)`` along ``axis`` hold the sequence."""
+
+    tensor: torch.Tensor
+    axis: int
+
+    @property
+    def capacity(self) -> int:
+        return int(self.tensor.shape[self.axis])
+
+    def head(self, n: int) -> torch.Tensor:
+        """The first ``n`` positions (a view of the buffer, valid until the buffer is written)."""
+        return self.tensor.narrow(self.axis, 0, n)
+
+    def bytes_per_token(self) -> int:
+        return self.tensor.numel() // max(1, self.capacity) * self.tensor.element_size()
+
+
+def _sig(t: torch.Tensor, axis: int | None) -> tuple:
+    shape = list(t.shape)
+    if axis is not None:
+        shape[axis] = -1
+    return (str(t.dtype), tuple(shape), axis)
+
+
+@dataclass
+class ModelState:
+    sections: dict[str, torch.Tensor] = field(default_factory=dict)
+    views: dict[str, View] = field(default_factory=dict)
+    length: int = 0
+
+    # -- description ------------------------------------------------------------------
+    def signature(self) -> tuple:
+        secs = tuple((k, _sig(v, None)) for k, v in sorted(self.sections.items()))
+        views = tuple((k, _sig(v.tensor, v.axis)) for k, v in sorted(self.views.items()))
+        return (secs, views)
+
+    def section_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.sections.values())
+
+    def view_bytes_per_token(self) -> int:
+        return sum(v.bytes_per_token() for v in self.views.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this state's sequence occupies: the sections whole, the views up to ``length``."""
+        return self.section_bytes() + self.view_bytes_per_token() * self.length
+
+    # -- copies -----------------------------------------------------------------------
+    def clone(self, length: int | None = None, device: torch.device | str | None = None) -> "ModelState":
+        """A detached snapshot of the first ``length`` tokens (default: all), on ``device`` (default: same).
+
+        The sections are copied whole: they describe the state *after* ``self.length``
+        tokens, so cloning a shorter ``length`` is only meaningful for a model without
+        sections (the caller trims views of a recurrent model at an anchor instead).
+        """
+        n = self.length if length is None else length
+        if n > self.length:
+            raise StateMismatch(f"cannot clone {n} tokens of a state holding {self.length}")
+        secs = {k: v.detach().to(device=device or v.device, copy=True) for k, v in self.sections.items()}
+        views = {k: View(v.head(n).detach().to(device=device or v.tensor.device, copy=True).contiguous(), v.axis)
+                 for k, v in self.views.items()}
+        return ModelState(secs, views, n)
+
+    def restore(self, snap: "ModelState") -> None:
+        """Copy ``snap`` into this state's tensors in place; refuses another shape or dtype, naming the tensor."""
+        self.check_compatible(snap)
+        for k, v in snap.sections.items():
+            self.sections[k].copy_(v)
+        for k, v in snap.views.items():
+            mine = self.views[k]
+            if snap.length > mine.capacity:
+                raise StateMismatch(f"view {k!r}: snapshot of {snap.length} tokens exceeds capacity {mine.capacity}")
+            mine.head(snap.length).copy_(v.head(snap.length))
+        self.length = snap.length
+
+    def check_compatible(self, snap: "ModelState") -> None:
+        mine, theirs = self._sig_map(), snap._sig_map()
+        for name in sorted(set(mine) | set(theirs)):
+            if name not in mine:
+                raise StateMismatch(f"state has no tensor {name!r} (snapshot has {theirs[name]})")
+            if name not in theirs:
+                raise StateMismatch(f"snapshot lacks tensor {name!r} (state has {mine[name]})")
+            if mine[name] != theirs[name]:
+                raise StateMismatch(f"tensor {name!r}: snapshot {theirs[name]} vs state {mine[name]}")
+
+    def _sig_map(self) -> Mapping[str, tuple]:
+        out = {f"section:{k}": _sig(v, None) for k, v in self.sections.items()}
+        out.update({f"view:{k}": _sig(v.tensor, v.axis) for k, v in self.views.items()})
+        return out
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by a flat name (views cut to ``length``), for serialisation."""
+        out = {f"section.{k}": v for k, v in self.sections.items()}
+        out.update({f"view.{k}": v.head(self.length) for k, v in self.views.items()})
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], axes: Mapping[str, int], length: int) -> "ModelState":
+        secs = {k[len("section."):]: v for k, v in tensors.items() if k.startswith("section.")}
+        views = {k[len("view."):]: View(v, axes[k[len("view."):]]) for k, v in tensors.items() if k.startswith("view.")}
+        return cls(secs, views, length)
