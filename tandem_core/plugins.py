@@ -32,6 +32,7 @@ hookimpl = pluggy.HookimplMarker("tandem")
 DEFAULT_PLUGINS = (
     "tandem_core.default_formats",
     "tandem_core.default_commands",
+    "tandem_core.default_entries",
 )
 
 HOOKS = (
@@ -130,6 +131,13 @@ def load_plugins() -> pluggy.PluginManager:
                 _host.pm.register(mod, name=ep.name)
                 if dist is not None:
                     _host.dists[ep.name] = (dist.metadata["Name"], dist.version)
+        for modname in (m.strip() for m in str(SETTINGS.get("EXTRA_PLUGINS")).split(",")):
+            if modname and _host.pm.get_plugin(modname) is None:
+                try:
+                    mod = importlib.import_module(modname)
+                except ImportError as exc:
+                    raise PluginError(f"extra plugin {modname!r} (TANDEM_EXTRA_PLUGINS) failed to import: {exc}") from exc
+                _host.pm.register(mod, name=modname)
         _host.pm.check_pending()
         _declare_settings()
         _host.invalidate()

@@ -68,6 +68,8 @@ class Served:
     think_in_prompt True when the template opens ``<think>`` in the prompt (the output starts inside it)
     stop_ids       token ids that end a turn
     info           the record ``/health`` shows: weights, fingerprints, load stages, memory parts
+    spawn          builds another engine sharing the weights (own buffers), for ``--parallel N``; None if
+                   the model cannot
     """
 
     model_id: str
@@ -80,6 +82,7 @@ class Served:
     stop_ids: tuple[int, ...] = ()
     template_vars: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    spawn: Callable[[], Engine] | None = None
 
 
 class ServeContext:

@@ -117,6 +117,9 @@ SETTINGS = SettingsRegistry()
 for _s in (
     Setting("PLUGINS", "", "tandem_core.plugins",
             "comma-separated allow-list of plugin names to load; empty loads every installed plugin"),
+    Setting("EXTRA_PLUGINS", "", "tandem_core.plugins",
+            "comma-separated importable modules to register as plugins without a distribution "
+            "(development and tests)"),
     Setting("DISABLE_ENTRYPOINTS", False, "tandem_core.plugins",
             "load only the core's default plugins, skip the 'tandem' entry points", bool),
     Setting("HOME", "~/.tandem", "tandem_core.paths", "where TandemLLM keeps models, ledger and caches"),

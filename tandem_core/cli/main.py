@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any, Callable, Sequence
 
+from tandem_core.cli import CliError
 from tandem_core.plugins import PluginError, import_string, registries
 
 
@@ -13,19 +14,23 @@ def _resolve(obj: Any) -> Callable[..., Any]:
     return import_string(obj) if isinstance(obj, str) else obj
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the ``selected`` command's options are configured (its module imported)."""
     parser = argparse.ArgumentParser(prog="tandem", description="TandemLLM: a local inference server for coding agents")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help, configure, run) in sorted(registries().cli_commands.items()):
         p = sub.add_parser(name, help=help, description=help)
-        _resolve(configure)(p)
-        p.set_defaults(_run=run)
+        if name == selected:
+            _resolve(configure)(p)
+            p.set_defaults(_run=run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = next((a for a in argv if not a.startswith("-")), None)
     try:
-        parser = build_parser()
+        parser = build_parser(selected)
     except PluginError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
@@ -43,9 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(rc or 0)
 
 
-class CliError(Exception):
-    """A user-facing failure: printed as one line, exit status 2, no traceback."""
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from tandem_core.cli.main import main as _main  # the module's own identity, not __main__'s
+
+    sys.exit(_main())

@@ -1,0 +1,97 @@
+"""Per-op references in plain torch, and a per-device dispatch so kernels can sit beside them.
+
+Every op has a reference that runs on any device (``tandem_core.ops.<module>``).
+A faster kernel for one device type registers beside it with
+``register(name, device_type, fn)``; ``get(name, device)`` returns the kernel
+registered for ``device``'s type, or the reference. References are named by
+import path and imported on first use, so importing this package imports no
+torch.
+
+Ops (the reference's signature is the op's contract):
+
+    rms_norm        x * rsqrt(mean(x^2) + eps) * w                (norm.py)
+    rms_norm_1p     x * rsqrt(mean(x^2) + eps) * (1 + w)           (norm.py, Qwen's zero-centred weight)
+    gated_rms_norm  rms_norm(x, w) * silu(gate)                    (norm.py)
+    l2_norm         x * rsqrt(sum(x^2) + eps)                      (norm.py)
+    causal_conv     depthwise causal conv with its tail state      (conv.py)
+    gdn_chunk       gated delta rule, chunked (prefill)            (gdn.py)
+    gdn_recurrent   gated delta rule, one token at a time (decode) (gdn.py)
+    rope            rotary embedding on the leading channels        (rope.py)
+    attention       new rows over cached K/V under a mask           (attention.py)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+__all__ = ["REFERENCES", "register", "unregister", "get", "reference", "kernels", "names"]
+
+REFERENCES: dict[str, str] = {
+    "rms_norm": "tandem_core.ops.norm:rms_norm",
+    "rms_norm_1p": "tandem_core.ops.norm:rms_norm_1p",
+    "gated_rms_norm": "tandem_core.ops.norm:gated_rms_norm",
+    "l2_norm": "tandem_core.ops.norm:l2_norm",
+    "causal_conv": "tandem_core.ops.conv:causal_conv",
+    "gdn_chunk": "tandem_core.ops.gdn:gdn_chunk",
+    "gdn_recurrent": "tandem_core.ops.gdn:gdn_recurrent",
+    "rope": "tandem_core.ops.rope:apply_rope",
+    "attention": "tandem_core.ops.attention:attention",
+}
+
+_lock = threading.Lock()
+_kernels: dict[tuple[str, str], Callable[..., Any]] = {}
+_refs: dict[str, Callable[..., Any]] = {}
+
+
+def names() -> list[str]:
+    return sorted(REFERENCES)
+
+
+def _device_type(device: Any) -> str:
+    if device is None:
+        return "cpu"
+    if isinstance(device, str):
+        return device.split(":", 1)[0]
+    return str(getattr(device, "type", device))
+
+
+def reference(name: str) -> Callable[..., Any]:
+    """The plain-torch reference of op ``name``."""
+    if name not in REFERENCES:
+        raise KeyError(f"unknown op {name!r}; ops: {', '.join(names())}")
+    with _lock:
+        fn = _refs.get(name)
+    if fn is None:
+        from tandem_core.plugins import import_string
+
+        fn = import_string(REFERENCES[name])
+        with _lock:
+            _refs[name] = fn
+    return fn
+
+
+def register(name: str, device_type: str, fn: Callable[..., Any]) -> None:
+    """Use ``fn`` for op ``name`` on devices of ``device_type`` (``"cuda"``); it keeps the reference's contract."""
+    if name not in REFERENCES:
+        raise KeyError(f"cannot register a kernel for unknown op {name!r}; ops: {', '.join(names())}")
+    with _lock:
+        _kernels[(name, device_type)] = fn
+
+
+def unregister(name: str, device_type: str) -> None:
+    with _lock:
+        _kernels.pop((name, device_type), None)
+
+
+def kernels() -> dict[tuple[str, str], Callable[..., Any]]:
+    """The registered kernels, by (op, device type)."""
+    with _lock:
+        return dict(_kernels)
+
+
+def get(name: str, device: Any = None) -> Callable[..., Any]:
+    """The kernel for op ``name`` on ``device`` (a ``torch.device``, ``"cuda:0"``, ``"cpu"``), else its reference."""
+    with _lock:
+        fn = _kernels.get((name, _device_type(device)))
+    return fn if fn is not None else reference(name)

@@ -1,0 +1,100 @@
+"""The gated delta rule (Gated DeltaNet's token mixer), chunked for prefill and recurrent for decode.
+
+Per value head, with state ``S: [Dk, Dv]``, for each token t:
+
+    S   <- exp(g_t) * S                          decay
+    u_t  = beta_t * (v_t - S^T k_t)              the part of v_t the state does not predict yet
+    S   <- S + k_t u_t^T                         delta-rule write
+    o_t  = scale * S^T q_t                       read
+
+Shapes (one sequence):
+    q, k:  [T, Hk, Dk]   (already L2-normalised by the caller)
+    v:     [T, Hv, Dv]
+    g:     [T, Hv]       log-decay, <= 0
+    beta:  [T, Hv]       write strength in (0, 1)
+    state: [Hv, Dk, Dv]  fp32, the state before the first token
+Key heads are grouped: value head h reads key head ``h // (Hv // Hk)``.
+Both return ``(o [T, Hv, Dv] fp32, new_state [Hv, Dk, Dv] fp32)`` and mutate nothing.
+
+The chunked form computes the same recurrence C tokens at a time. Inside a
+chunk, with cumulative log-decay ``c_i = g_1 + ... + g_i`` and the chunk's
+starting state ``S0``, the writes solve a unit lower-triangular system
+
+    (I + A) U = beta*V - beta*exp(c)*K S0,   A_ij = beta_i exp(c_i - c_j) k_i.k_j  (j < i)
+
+and then ``o_i = exp(c_i) q_i S0 + sum_{j<=i} exp(c_i - c_j) (q_i.k_j) u_j`` and
+``S_C = exp(c_C) S0 + sum_j exp(c_C - c_j) k_j u_j^T``. Every exponent is <= 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["gdn_chunk", "gdn_recurrent"]
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # q, k: [T, Hk, Dk] -> [T, Hv, Dk] (each key head serves Hv // Hk consecutive value heads)
+    hk, hv = q.shape[1], v.shape[1]
+    if hv % hk:
+        raise ValueError(f"gated delta rule: {hv} value heads are not a multiple of {hk} key heads")
+    if hv != hk:
+        q = q.repeat_interleave(hv // hk, dim=1)
+        k = k.repeat_interleave(hv // hk, dim=1)
+    return q, k
+
+
+def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token at a time (decode; also the definition the chunked form must equal)."""
+    q, k = _grouped(q.float(), k.float(), v)
+    v, g, beta = v.float(), g.float(), beta.float()
+    S = state.float().clone()                                  # S: [Hv, Dk, Dv]
+    out = torch.empty_like(v)                                  # out: [T, Hv, Dv]
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        pred = (S * k[t][:, :, None]).sum(dim=1)               # pred: [Hv, Dv] = S^T k
+        u = (v[t] - pred) * beta[t][:, None]                   # u: [Hv, Dv]
+        S = S + k[t][:, :, None] * u[:, None, :]
+        out[t] = (S * q[t][:, :, None]).sum(dim=1) * scale     # out[t]: [Hv, Dv] = scale * S^T q
+    return out, S
+
+
+def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor, *, scale: float, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk`` tokens at a time (prefill). Equals ``gdn_recurrent`` within fp32 rounding."""
+    T = q.shape[0]
+    q, k = _grouped(q.float(), k.float(), v)
+    # head-major: [Hv, T, D]; padded to whole chunks with g = 0, beta = 0, k = 0 (no decay, no write)
+    pad = (-T) % chunk
+    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.float().transpose(0, 1), (0, pad)) for x in (g, beta))
+    H, N = q.shape[0], (T + pad) // chunk
+    q = q.reshape(H, N, chunk, -1) * scale                     # q: [H, N, C, Dk]
+    k = k.reshape(H, N, chunk, -1)                             # k: [H, N, C, Dk]
+    v = v.reshape(H, N, chunk, -1)                             # v: [H, N, C, Dv]
+    beta = beta.reshape(H, N, chunk)
+    c = g.reshape(H, N, chunk).cumsum(-1)                      # c: [H, N, C] cumulative log-decay
+
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()   # j <= i
+    rel = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # rel: [H, N, C, C]
+    A = (beta[..., :, None] * (k @ k.transpose(-1, -2))) * rel.tril(-1)                    # A: [H, N, C, C]
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = eye + A
+    W = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    Kc = torch.linalg.solve_triangular(system, (beta * c.exp())[..., None] * k, upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * rel                       # qk: [H, N, C, C]
+    q_in = q * c.exp()[..., None]                              # reads of the chunk's starting state
+    to_end = (c[..., -1:] - c).exp()[..., None]                # to_end: [H, N, C, 1] decay to the chunk's end
+    k_end = k * to_end
+    chunk_decay = c[..., -1].exp()[..., None, None]            # chunk_decay: [H, N, 1, 1]
+
+    S = state.float().clone()                                  # S: [H, Dk, Dv]
+    out = torch.empty_like(v)                                  # out: [H, N, C, Dv]
+    for n in range(N):
+        U = W[:, n] - Kc[:, n] @ S                             # U: [H, C, Dv]
+        out[:, n] = q_in[:, n] @ S + qk[:, n] @ U
+        S = S * chunk_decay[:, n] + k_end[:, n].transpose(-1, -2) @ U
+    out = out.reshape(H, N * chunk, -1)[:, :T].transpose(0, 1).contiguous()   # out: [T, H, Dv]
+    return out, S

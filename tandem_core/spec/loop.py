@@ -1,0 +1,226 @@
+"""The plain decode loop: prefill, then one token a step, until a stop.
+
+Read ``Decode.step`` first: forward, sample, commit, emit. The speculation issue
+replaces ``forward`` + ``sample`` (one token) by propose, verify, walk (several
+tokens); ``commit`` and ``emit`` already take a list of tokens.
+
+The loop owns no engine buffers: ``engine.reset()`` + ``engine.forward(prompt)``
+(``prefill``, one place, so a prefix cache can replace it) leave the engine
+holding the prompt, and every committed token is forwarded once. The caller's
+``cancel`` event is read before every step; a cancelled decode ends with finish
+``"cancelled"`` and leaves the engine free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
+
+import torch
+
+from tandem_core.engine import Engine
+from tandem_core.spec.sampler import Pick, Sampler, SamplingParams
+
+__all__ = [
+    "DecodeRequest", "Chunk", "Decode", "StopStrings", "Constraint", "Detokenizer", "prefill",
+    "FINISH_STOP", "FINISH_LENGTH", "FINISH_CANCELLED",
+]
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+
+
+class Detokenizer(Protocol):
+    """Token ids in, newly completed text out (holds back incomplete characters)."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class Constraint(Protocol):
+    """Constrained decoding: which tokens may come next, told what came.
+
+    ``allowed(vocab)`` -> bool ``[vocab]`` (True: allowed) or None (no constraint now);
+    ``advance(token)`` records a committed token; ``done()`` is True when the grammar
+    admits nothing more (the answer is complete).
+    """
+
+    def allowed(self, vocab: int) -> torch.Tensor | None: ...
+
+    def advance(self, token: int) -> None: ...
+
+    def done(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """One generation: the prompt's ids, the sampling, and when to stop."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+
+
+class Chunk(NamedTuple):
+    """What one step produced: the committed tokens, the text now safe to send, the picks
+    (with logprobs when asked), and the finish reason on the last chunk."""
+
+    tokens: tuple[int, ...]
+    text: str
+    picks: tuple[Pick, ...]
+    finish: str | None
+
+
+def prefill(engine: Engine, prompt: Sequence[int]) -> torch.Tensor:
+    """Start a sequence: the engine holds ``prompt``; returns the last position's logits ``[1, V]``."""
+    engine.reset()
+    ids = torch.as_tensor(list(prompt), dtype=torch.long)  # [T]
+    return engine.forward(ids)
+
+
+class StopStrings:
+    """Cuts the text at the first stop string; holds back a tail that may begin one.
+
+    ``feed(text) -> (safe, hit)``: ``safe`` is text that can go out now; ``hit`` is True
+    when a stop string completed (``safe`` ends where it began, the rest is dropped).
+    ``flush()`` releases the held tail at the end of a generation that did not stop on one.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held = ""
+            return buf[:cut], True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class Decode:
+    """One request's decode on one engine (batch 1). Iterate ``run()`` for its chunks.
+
+    ``engine`` is held for the whole decode; ``detok`` turns committed ids into text;
+    ``constraint`` (optional) masks the sampler; ``cancel`` is read before each step;
+    ``on_first_token`` is called once, when the first token is committed (time to first token).
+    """
+
+    def __init__(self, engine: Engine, request: DecodeRequest, detok: Detokenizer, *,
+                 constraint: Constraint | None = None, cancel: threading.Event | None = None,
+                 start: Callable[[Engine, Sequence[int]], torch.Tensor] = prefill) -> None:
+        self.engine = engine
+        self.req = request
+        self.detok = detok
+        self.constraint = constraint
+        self.cancel = cancel or threading.Event()
+        self.start = start
+        self.sampler = Sampler(request.sampling)
+        self.stops = StopStrings(request.stop_strings)
+        self.generated: list[int] = []
+        self.pending: list[int] = []       # committed, not yet forwarded
+        self.fresh: list[Pick] = []        # the last step's committed picks
+        self.finish: str | None = None
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self._logits: torch.Tensor | None = None
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def run(self) -> Iterator[Chunk]:
+        with torch.inference_mode():
+            self._logits = self.start(self.engine, self.req.prompt)  # [1, V]
+            while self.finish is None:
+                if self.cancel.is_set():
+                    self.finish = FINISH_CANCELLED
+                    yield Chunk((), "", (), FINISH_CANCELLED)
+                    return
+                yield self.step()
+
+    def step(self) -> Chunk:
+        logits = self.forward()         # the next-token distribution, [1, V]
+        picks = self.sample(logits)     # keyed by (seed, position): the same draw however batched
+        self.commit(picks)              # counts, grammar, stop ids, max_tokens
+        return self.emit(picks)         # the text now safe to send (a stop string never leaves)
+
+    # -- the details ----------------------------------------------------------------------------------
+
+    def forward(self) -> torch.Tensor:
+        if self.pending:
+            ids = torch.tensor(self.pending, dtype=torch.long)  # [P]
+            self.pending = []
+            self._logits = self.engine.forward(ids)
+        assert self._logits is not None
+        return self._logits
+
+    def sample(self, logits: torch.Tensor) -> list[Pick]:
+        row = logits[-1]  # [V]
+        mask = self.constraint.allowed(row.numel()) if self.constraint is not None else None
+        position = len(self.req.prompt) + len(self.generated)
+        return [self.sampler.pick(row, position, mask)]
+
+    def commit(self, picks: Sequence[Pick]) -> None:
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        self.t_last = now
+        self.fresh = []
+        for p in picks:
+            self.fresh.append(p)
+            self.generated.append(p.token)
+            self.sampler.accept(p.token)
+            if self.constraint is not None:
+                self.constraint.advance(p.token)
+            if p.token in self.req.stop_ids:
+                self.finish = FINISH_STOP
+                return
+            self.pending.append(p.token)
+            if self.constraint is not None and self.constraint.done():
+                self.finish = FINISH_STOP
+                return
+            if len(self.generated) >= self.req.max_tokens:
+                self.finish = FINISH_LENGTH
+                return
+
+    def emit(self, picks: Sequence[Pick]) -> Chunk:
+        picks = self.fresh  # what commit kept of them
+        text = "".join(self.detok.push(p.token) for p in picks if p.token not in self.req.stop_ids)
+        if self.finish is not None:
+            text += self.detok.flush()
+        safe, hit = self.stops.feed(text)
+        if hit:
+            self.finish = FINISH_STOP
+        elif self.finish is not None:
+            safe += self.stops.flush()
+        return Chunk(tuple(p.token for p in picks), safe, tuple(picks), self.finish)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated)
+
+    def decode_rate(self) -> float | None:
+        """Tokens per second after the first (None before two tokens)."""
+        if self.t_first is None or self.t_last is None or len(self.generated) < 2 or self.t_last <= self.t_first:
+            return None
+        return (len(self.generated) - 1) / (self.t_last - self.t_first)
+
