@@ -65,6 +65,10 @@ class HFTokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text (constrained decoding builds llguidance's tokenizer from it)."""
+        return self._tok.to_str()
+
     def fingerprint(self) -> str:
         if self._fp is None:
             canon = json.dumps(json.loads(self._tok.to_str()), sort_keys=True, separators=(",", ":"))
