@@ -107,6 +107,26 @@ class ModelState:
             mine.head(snap.length).copy_(v.head(snap.length))
         self.length = snap.length
 
+    def resume(self, n: int, sections: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Take the sequence back to ``n`` tokens in place: copy ``sections`` (the recurrent state after
+        exactly ``n`` tokens, e.g. an anchor's) into this state's sections and cut the views at ``n``.
+        The views already hold the first ``n`` positions (a common prefix), so nothing of them is copied.
+        A state with sections refuses a resume without them unless ``n`` equals its length."""
+        if n > self.length:
+            raise StateMismatch(f"cannot resume at {n}: the state holds {self.length} tokens")
+        if sections is None:
+            if self.sections and n != self.length:
+                raise StateMismatch(f"resume at {n} of {self.length} needs the recurrent sections at {n}")
+        else:
+            if set(sections) != set(self.sections):
+                raise StateMismatch(f"anchor sections {sorted(sections)} differ from the state's "
+                                    f"{sorted(self.sections)}")
+            for k, v in sections.items():
+                if _sig(v, None) != _sig(self.sections[k], None):
+                    raise StateMismatch(f"section {k!r}: anchor {_sig(v, None)} vs state {_sig(self.sections[k], None)}")
+                self.sections[k].copy_(v)
+        self.length = n
+
     def check_compatible(self, snap: "ModelState") -> None:
         mine, theirs = self._sig_map(), snap._sig_map()
         for name in sorted(set(mine) | set(theirs)):
