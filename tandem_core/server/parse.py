@@ -158,6 +158,7 @@ class OutputParser:
         self._name = ""
         self._args: list[str] = []
         self._params: set[str] = set()
+        self._param = ""
         self._stream_str = False
         self._json: _JsonScan | None = None
 
@@ -354,7 +355,7 @@ class OutputParser:
             return self._goto(_CONTENT)
         if not final and (not self._buf or _could_be(self._buf, PARAM_OPEN, FUNC_CLOSE, CALL_CLOSE)):
             return False
-        if not self._buf:
+        if not self._buf or _could_be(self._buf, PARAM_OPEN, FUNC_CLOSE, CALL_CLOSE):
             return self._malformed(out, "tool call not closed")
         return self._malformed(out, "unexpected text between parameters")
 
@@ -392,7 +393,7 @@ class OutputParser:
         scan = self._json
         assert scan is not None
         start = len(scan.text)
-        scan.feed(self._take(len(self._buf)))
+        self._take(scan.feed(self._buf))
         if scan.error:
             return self._malformed(out, f"tool call JSON: {scan.error}")
         if not self._begun and scan.name is not None:
@@ -411,10 +412,6 @@ class OutputParser:
             if final:
                 return self._malformed(out, "tool call not closed")
             return False
-        # the object is complete: anything after it goes back to the buffer
-        rest = scan.text[scan.end:]
-        self._raw[-1] = self._raw[-1][: len(self._raw[-1]) - len(rest)]
-        self._buf = rest
         try:
             obj = json.loads(scan.text, parse_constant=_no_constant)
         except ValueError:
@@ -433,9 +430,8 @@ class OutputParser:
         if not isinstance(args, dict):
             return self._malformed(out, "tool call arguments are not a JSON object")
         if self._begun:
-            streamed = "".join(self._args)
-            if json.loads(streamed) != args:
-                return self._malformed(out, "tool call arguments given twice")
+            if name != self._name or json.loads("".join(self._args)) != args:
+                return self._malformed(out, "tool call name or arguments given twice")
         else:
             self._begin(out, name)
             self._args = []
@@ -561,13 +557,20 @@ class _JsonScan:
         self.end: int | None = None  # index just past the closing brace
         self.error: str | None = None
 
-    def feed(self, chunk: str) -> None:
+    def feed(self, chunk: str) -> int:
+        """Scan ``chunk``; returns how many of its chars were read: all of them, or those up to the
+        object's closing brace, or those before a char that cannot be JSON (``error`` says so)."""
         base = len(self.text)
         self.text += chunk
         for k, ch in enumerate(chunk):
-            if self.end is not None or self.error:
-                return
+            if self.end is not None:
+                self.text = self.text[: base + k]
+                return k
             self._char(base + k, ch)
+            if self.error:
+                self.text = self.text[: base + k]
+                return k
+        return len(chunk)
 
     def _char(self, i: int, ch: str) -> None:
         if self.in_str:
