@@ -33,6 +33,8 @@ DEFAULT_PLUGINS = (
     "tandem_core.default_formats",
     "tandem_core.default_commands",
     "tandem_core.default_entries",
+    "tandem_core.default_caches",
+    "tandem_core.server.default_settings",
 )
 
 HOOKS = (

@@ -18,6 +18,7 @@ Ops (the reference's signature is the op's contract):
     gdn_recurrent   gated delta rule, one token at a time (decode) (gdn.py)
     rope            rotary embedding on the leading channels        (rope.py)
     attention       new rows over cached K/V under a mask           (attention.py)
+    sigmoid, silu, softplus, softmax                               (act.py, CPU-width independent)
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ REFERENCES: dict[str, str] = {
     "gdn_recurrent": "tandem_core.ops.gdn:gdn_recurrent",
     "rope": "tandem_core.ops.rope:apply_rope",
     "attention": "tandem_core.ops.attention:attention",
+    "sigmoid": "tandem_core.ops.act:sigmoid",
+    "silu": "tandem_core.ops.act:silu",
+    "softplus": "tandem_core.ops.act:softplus",
+    "softmax": "tandem_core.ops.act:softmax",
 }
 
 _lock = threading.Lock()

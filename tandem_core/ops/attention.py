@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem_core.ops.act import softmax
+
 __all__ = ["attention", "causal_mask"]
 
 
@@ -34,6 +36,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     qg = q.float().transpose(0, 1).reshape(hkv, rep * T, D)            # qg: [Hkv, rep*T, D]
     scores = (qg @ k.float().transpose(-1, -2)) * scale                 # scores: [Hkv, rep*T, S]
     scores = scores.view(hkv, rep, T, S).masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores, dim=-1).view(hkv, rep * T, S)
+    p = softmax(scores).view(hkv, rep * T, S)
     o = p @ v.float()                                                   # o: [Hkv, rep*T, D]
     return o.view(hq, T, D).transpose(0, 1).to(q.dtype)

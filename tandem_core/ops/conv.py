@@ -11,7 +11,8 @@ kernel choice depends on the CPU).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from tandem_core.ops.act import silu
 
 __all__ = ["causal_conv"]
 
@@ -28,7 +29,7 @@ def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
     for k in range(1, K):
         y = y + xf[k:k + T] * w[:, k]
     if activation == "silu":
-        y = F.silu(y)
+        y = silu(y)
     elif activation is not None:
         raise ValueError(f"causal_conv: unknown activation {activation!r}")
     new_tail = xx[T:].t().to(tail.dtype)                  # new_tail: [C, K-1]

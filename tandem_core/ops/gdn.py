@@ -65,6 +65,7 @@ def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               state: torch.Tensor, *, scale: float, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunk`` tokens at a time (prefill). Equals ``gdn_recurrent`` within fp32 rounding."""
     T = q.shape[0]
+    chunk = max(1, min(chunk, T))                              # a short input is one chunk, unpadded
     q, k = _grouped(q.float(), k.float(), v)
     # head-major: [Hv, T, D]; padded to whole chunks with g = 0, beta = 0, k = 0 (no decay, no write)
     pad = (-T) % chunk

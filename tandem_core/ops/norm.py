@@ -6,7 +6,8 @@ Each computes in fp32 and returns the input's dtype. ``x: [..., D]``, ``w: [D]``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from tandem_core.ops.act import silu
 
 __all__ = ["rms_norm", "rms_norm_1p", "gated_rms_norm", "l2_norm"]
 
@@ -29,7 +30,7 @@ def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * w * silu(gate)`` (the Gated DeltaNet output norm). ``gate`` has ``x``'s shape."""
-    return (_normed(x, eps) * weight.float() * F.silu(gate.float())).to(x.dtype)
+    return (_normed(x, eps) * weight.float() * silu(gate)).to(x.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

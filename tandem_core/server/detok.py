@@ -9,6 +9,13 @@ keeps a small window of ids instead: ``decode(window + new)`` minus
 does not end in U+FFFD. Each ``push`` decodes the window and the ids since it
 (O(window), not O(n)); the concatenated output equals
 ``tokenizer.decode(all_ids)``.
+
+Exactness needs a decoder whose text before a complete character does not
+depend on what follows it: byte-level BPE (GPT-2, Qwen, Llama 3) and
+SentencePiece with byte fallback on valid UTF-8 are. One case is not streamable
+by any detokeniser: ``ByteFallback`` writes U+FFFD for every byte of a run of
+byte tokens that holds an invalid sequence anywhere, so a run that starts with
+valid characters and later turns invalid decodes differently whole.
 """
 
 from __future__ import annotations
@@ -61,5 +68,6 @@ class StreamDetokenizer:
         """Emit ``text`` past the window's text; the ids just emitted become the next window."""
         new = text[len(self._prefix_text):]
         self._prefix, self._read = self._read, len(self._ids)
-        self._prefix_text = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        window = self._ids[self._prefix:self._read]
+        self._prefix_text = self._tok.decode(window, skip_special_tokens=self._skip)
         return new

@@ -45,6 +45,8 @@ class Field:
     example: Any = None       # a value the server takes (None for a refused row: any value is refused)
     refused: Any = _NO        # a value the server refuses, for a row that takes others
     validate: Validator | None = None
+    requires: Mapping[str, Any] | None = None  # other fields a request with this one needs
+
 
     @property
     def has_refused_example(self) -> bool:
@@ -181,10 +183,6 @@ def _false(x: Any) -> str | None:
     return None if x in (None, False) else "only false is served"
 
 
-def _empty_str(x: Any) -> str | None:
-    return None if x in (None, "") else "is not served"
-
-
 def _prompt(x: Any) -> str | None:
     if isinstance(x, str) and x:
         return None
@@ -216,9 +214,11 @@ _SAMPLING = [
     Field("frequency_penalty", HONOURED, "OpenAI's definition, over the generated tokens", 0.5, 3, _num(-2, 2)),
     Field("logit_bias", HONOURED, "token id -> bias added to the logits", {"0": -100}, {"x": 1}, _logit_bias),
     Field("stream", HONOURED, "server-sent events, ending with data: [DONE]", False, "yes", _bool),
-    Field("stream_options", HONOURED, "an object; its keys are the rows below", {}, 3, _stream_options),
-    Field("stream_options.include_usage", HONOURED, "a last chunk with usage and no choices", True, "yes", _bool),
-    Field("user", IGNORED, "", "someone", validate=_any),
+    Field("stream_options", HONOURED, "an object (with stream: true); its keys are the rows below", {}, 3,
+          _stream_options, {"stream": True}),
+    Field("stream_options.include_usage", HONOURED, "a last chunk with usage and no choices", True, "yes", _bool,
+          {"stream": True}),
+    Field("user", IGNORED, "a client label; not logged, not stored", "someone", validate=_any),
 ]
 
 CHAT_FIELDS: tuple[Field, ...] = (
@@ -231,7 +231,8 @@ CHAT_FIELDS: tuple[Field, ...] = (
     Field("n", HONOURED, "1 only; n > 1 is refused", 1, 2, _n),
     *_SAMPLING,
     Field("logprobs", HONOURED, "logprobs of the model's distribution for each sent token", True, "yes", _bool),
-    Field("top_logprobs", HONOURED, "0-20 alternatives per token (with logprobs)", 2, 21, _top_logprobs),
+    Field("top_logprobs", HONOURED, "0-20 alternatives per token (with logprobs)", 2, 21, _top_logprobs,
+          {"logprobs": True}),
     Field("response_format", HONOURED, "json_object and json_schema by constrained decoding (llguidance)",
           {"type": "json_object"}, {"type": "xml"}, _response_format),
     Field("tools", HONOURED, "function tools, rendered by the chat template",
@@ -244,16 +245,17 @@ CHAT_FIELDS: tuple[Field, ...] = (
           {"enable_thinking": False}, [1], _dict),
     Field("modalities", IGNORED, "[\"text\"] only; any other modality is refused", ["text"], ["audio"],
           _modalities),
-    Field("metadata", IGNORED, "", {"k": "v"}, validate=_any),
+    Field("metadata", IGNORED, "not stored", {"k": "v"}, validate=_any),
     Field("store", IGNORED, "nothing is stored beyond the usage ledger", False, validate=_any),
-    Field("service_tier", IGNORED, "", "auto", validate=_any),
-    Field("safety_identifier", IGNORED, "", "abc", validate=_any),
+    Field("service_tier", IGNORED, "there is one tier", "auto", validate=_any),
+    Field("safety_identifier", IGNORED, "not logged, not stored", "abc", validate=_any),
     Field("prompt_cache_key", IGNORED, "prefix caching needs no key", "k", validate=_any),
-    Field("prompt_cache_retention", IGNORED, "", "in_memory", validate=_any),
+    Field("prompt_cache_retention", IGNORED, "the caches keep what memory allows", "in_memory", validate=_any),
     Field("reasoning_effort", IGNORED, "thinking is switched by chat_template_kwargs.enable_thinking",
           "low", validate=_any),
-    Field("verbosity", IGNORED, "", "low", validate=_any),
-    Field("stream_options.include_obfuscation", IGNORED, "no obfuscation field is sent", False, validate=_any),
+    Field("verbosity", IGNORED, "the model writes as long as it writes", "low", validate=_any),
+    Field("stream_options.include_obfuscation", IGNORED, "no obfuscation field is sent", False, validate=_any,
+          requires={"stream": True}),
     Field("audio", REFUSED, "no audio output"),
     Field("prediction", REFUSED, "no predicted outputs (speculation needs no hint)"),
     Field("web_search_options", REFUSED, "no web search"),
@@ -266,12 +268,12 @@ COMPLETION_FIELDS: tuple[Field, ...] = (
           "Hello", [], _prompt),
     Field("model", HONOURED, "must name the served model (or be left out)", None, "no-such-model", _str),
     Field("max_tokens", HONOURED, "default 16; capped to what fits the context", 8, 0, _int(1)),
-    Field("n", HONOURED, "1 only", 1, 2, _n),
-    Field("best_of", HONOURED, "1 only", 1, 2, _n),
+    Field("n", HONOURED, "1 only; n > 1 is refused", 1, 2, _n),
+    Field("best_of", HONOURED, "1 only; more is refused", 1, 2, _n),
     *_SAMPLING,
     Field("logprobs", HONOURED, "0-20: logprobs of each sent token and that many alternatives", 2, 21,
           _completion_logprobs),
-    Field("echo", HONOURED, "false only", False, True, _false),
+    Field("echo", HONOURED, "false only; true is refused", False, True, _false),
     Field("suffix", REFUSED, "no fill-in-the-middle"),
 )
 

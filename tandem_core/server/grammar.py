@@ -120,8 +120,8 @@ class Grammars:
         return f"({open_} {block})? ws ", [body]
 
     def json_grammar(self, schema: Mapping[str, Any] | None, think: str = "none") -> str:
-        """Lark for a JSON value (an object when ``schema`` is None: json_object)."""
-        schema = dict(schema) if schema else {"type": "object"}
+        """Lark for a JSON value: any object when ``schema`` is None (json_object), else the schema's."""
+        schema = {"type": "object"} if schema is None else dict(schema)
         prefix, rules = self.think_rules(think)
         return "\n".join([
             f"start: {prefix}answer",

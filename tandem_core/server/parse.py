@@ -14,8 +14,9 @@ Structure read::
 
 - reasoning: with ``reasoning=True`` a ``<think>`` block at the very start of
   the output (after whitespace) is reasoning; with ``think_in_prompt=True`` the
-  template already opened it and the output starts inside it. An output that
-  ends inside the block is all reasoning.
+  template already opened it and the output starts inside it (a repeated
+  ``<think>`` there is dropped). An output that ends inside the block is all
+  reasoning.
 - a call (``tool_format`` ``"qwen_xml"`` or ``"hermes_json"``; ``"none"`` reads
   no calls) is either body form, whichever the model wrote::
 
@@ -50,8 +51,9 @@ import json
 import math
 import re
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple, Union
 
 __all__ = [
     "Content", "Reasoning", "ToolCallBegin", "ToolCallArgs", "ToolCallEnd", "Malformed", "Event",
@@ -63,16 +65,22 @@ TOOL_FORMATS = ("qwen_xml", "hermes_json", "none")
 
 @dataclass(frozen=True)
 class Content:
+    """Answer text (a delta)."""
+
     text: str
 
 
 @dataclass(frozen=True)
 class Reasoning:
+    """Reasoning text from the ``<think>`` block (a delta)."""
+
     text: str
 
 
 @dataclass(frozen=True)
 class ToolCallBegin:
+    """Call ``index`` (0, 1, ... in this output) named ``name`` has begun."""
+
     index: int
     id: str
     name: str
@@ -80,18 +88,24 @@ class ToolCallBegin:
 
 @dataclass(frozen=True)
 class ToolCallArgs:
+    """The next piece of call ``index``'s arguments JSON."""
+
     index: int
     delta: str
 
 
 @dataclass(frozen=True)
 class ToolCallEnd:
+    """Call ``index`` is complete; ``arguments`` (a JSON object) is its deltas joined."""
+
     index: int
     arguments: str
 
 
 @dataclass(frozen=True)
 class Malformed:
+    """A call could not be read; ``reason`` names no model text. Its raw text follows as Content."""
+
     reason: str
 
 
@@ -109,9 +123,11 @@ _START, _REASON, _CONTENT, _BODY, _FUNC, _PARAMS, _VALUE_START, _VALUE, _JSON, _
 
 def _held(buf: str, tag: str) -> int:
     """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(buf)), 0, -1):
-        if buf.endswith(tag[:n]):
-            return n
+    i = buf.find(tag[0], max(0, len(buf) - len(tag) + 1))
+    while i >= 0:
+        if tag.startswith(buf[i:]):
+            return len(buf) - i
+        i = buf.find(tag[0], i + 1)
     return 0
 
 
@@ -144,12 +160,8 @@ class OutputParser:
         self._ws = ""  # whitespace held at the end of the current section
         self._lead = True  # the section has emitted nothing yet (leading whitespace is the format's)
         self._kind: type[Content] | type[Reasoning] = Content
-        if reasoning and think_in_prompt:
-            self._state, self._kind = _REASON, Reasoning
-        elif reasoning:
-            self._state = _START
-        else:
-            self._state = _CONTENT
+        self._think_in_prompt = reasoning and think_in_prompt
+        self._state = _START if reasoning else _CONTENT
         # the call being read
         self._calls = 0
         self._index = -1
@@ -159,8 +171,12 @@ class OutputParser:
         self._args: list[str] = []
         self._params: set[str] = set()
         self._param = ""
+        self._value_parts: list[str] = []  # a typed (not streamed) value read so far
         self._stream_str = False
         self._json: _JsonScan | None = None
+        self._steps: tuple[Callable[[list[Event], bool], bool], ...] = (
+            self._start, self._reason, self._content, self._body, self._func, self._params_step,
+            self._value_start, self._value, self._json_step, self._after, self._pass)  # by state number
 
     # -- public -------------------------------------------------------------------------------
 
@@ -189,11 +205,7 @@ class OutputParser:
     # -- machinery -------------------------------------------------------------------------------
 
     def _run(self, out: list[Event], final: bool) -> None:
-        steps = {
-            _START: self._start, _REASON: self._reason, _CONTENT: self._content, _BODY: self._body,
-            _FUNC: self._func, _PARAMS: self._params_step, _VALUE_START: self._value_start,
-            _VALUE: self._value, _JSON: self._json_step, _AFTER: self._after, _PASS: self._pass,
-        }
+        steps = self._steps
         while steps[self._state](out, final):
             pass
 
@@ -260,7 +272,8 @@ class OutputParser:
     # -- reasoning and content --------------------------------------------------------------------
 
     def _start(self, out: list[Event], final: bool) -> bool:
-        """Output start with reasoning on: a ``<think>`` here opens the block."""
+        """Output start with reasoning on: a ``<think>`` here opens the block (or is a repeat of the
+        one the prompt opened)."""
         stripped = self._buf.lstrip()
         if stripped.startswith(THINK_OPEN):
             self._buf = stripped[len(THINK_OPEN):]
@@ -268,6 +281,9 @@ class OutputParser:
             return self._goto(_REASON)
         if not final and (not stripped or _could_be(stripped, THINK_OPEN)):
             return False
+        if self._think_in_prompt:
+            self._section(Reasoning)
+            return self._goto(_REASON)
         return self._goto(_CONTENT)
 
     def _reason(self, out: list[Event], final: bool) -> bool:
@@ -305,7 +321,7 @@ class OutputParser:
             return self._goto(_JSON)
         if self._buf.startswith(FUNC_OPEN):
             return self._goto(_FUNC)
-        if not final and (not self._buf or _could_be(self._buf, FUNC_OPEN)):
+        if not final and (not self._buf or _could_be(self._buf, FUNC_OPEN, CALL_CLOSE)):
             return False
         if self._buf.startswith(CALL_CLOSE):
             return self._malformed(out, "empty tool call")
@@ -341,6 +357,7 @@ class OutputParser:
             key = ("" if not self._params else ", ") + json.dumps(name, ensure_ascii=False) + ": "
             self._params.add(name)
             self._param = name
+            self._value_parts = []
             self._stream_str = self._types(name) == {"string"}
             self._arg(out, key + ('"' if self._stream_str else ""))
             return self._goto(_VALUE_START)
@@ -371,11 +388,15 @@ class OutputParser:
         if i < 0:
             if final:
                 return self._malformed(out, "tool call not closed")
-            if self._stream_str:
-                keep = max(_held(self._buf, "\n" + PARAM_CLOSE), _held(self._buf, PARAM_CLOSE))
-                cut = len(self._buf) - keep
-                if cut:
-                    self._arg(out, json.dumps(self._take(cut), ensure_ascii=False)[1:-1])
+            # all but what may be the closing newline and tag: streamed (a string) or kept
+            keep = max(_held(self._buf, "\n" + PARAM_CLOSE), _held(self._buf, PARAM_CLOSE))
+            cut = len(self._buf) - keep
+            if cut:
+                piece = self._take(cut)
+                if self._stream_str:
+                    self._arg(out, json.dumps(piece, ensure_ascii=False)[1:-1])
+                else:
+                    self._value_parts.append(piece)
             self._seen = len(self._buf)
             return False
         value = self._take(i)
@@ -385,35 +406,38 @@ class OutputParser:
         if self._stream_str:
             self._arg(out, json.dumps(value, ensure_ascii=False)[1:-1] + '"')
         else:
-            self._arg(out, json.dumps(_typed(value, self._types(self._param)), ensure_ascii=False))
+            whole = "".join(self._value_parts) + value
+            self._arg(out, json.dumps(_typed(whole, self._types(self._param)), ensure_ascii=False))
+        self._value_parts = []
         return self._goto(_PARAMS)
 
     def _json_step(self, out: list[Event], final: bool) -> bool:
         """A JSON body ``{"name": ..., "arguments": {...}}``, its arguments streamed as written."""
         scan = self._json
         assert scan is not None
-        start = len(scan.text)
-        self._take(scan.feed(self._buf))
+        start = scan.length
+        chunk = self._take(scan.feed(self._buf))
         if scan.error:
             return self._malformed(out, f"tool call JSON: {scan.error}")
+        begin_at = start
         if not self._begun and scan.name is not None:
             if self._schemas is not None and scan.name not in self._schemas:
                 return self._malformed(out, "unknown function name")
-            if scan.args_start is not None and scan.text[scan.args_start] == "{":
+            if scan.args_start is not None and scan.args_open == "{":
                 self._begin(out, scan.name)
                 self._args = []
-                start = scan.args_start
+                begin_at = scan.args_start
         if self._begun and scan.args_start is not None:
-            lo = max(start, scan.args_start)
-            hi = scan.args_end if scan.args_end is not None else len(scan.text)
+            lo = max(begin_at, scan.args_start)
+            hi = scan.args_end if scan.args_end is not None else scan.length
             if hi > lo:
-                self._arg(out, scan.text[lo:hi])
+                self._arg(out, chunk[lo - start: hi - start] if lo >= start else scan.slice(lo, hi))
         if scan.end is None:
             if final:
                 return self._malformed(out, "tool call not closed")
             return False
         try:
-            obj = json.loads(scan.text, parse_constant=_no_constant)
+            obj = json.loads(scan.slice(0, scan.end), parse_constant=_no_constant)
         except ValueError:
             return self._malformed(out, "tool call JSON does not parse")
         name = obj.get("name") if isinstance(obj, dict) else None
@@ -537,43 +561,58 @@ class _JsonScan:
     """Incremental scanner of one JSON object: finds the top-level ``"name"`` string and the span
     of the ``"arguments"`` (or ``"parameters"``) value while the text grows. Validates only what a
     streaming reader must (no text outside strings that JSON forbids); ``json.loads`` checks the rest.
+    Keeps the text as a list of pieces (joined only for top-level strings' neighbours and at the end),
+    so a long argument value costs O(n).
     """
 
-    _ALLOWED = set(' \t\r\n{}[],:"-+.0123456789eEtrufalsn')
+    _ALLOWED = frozenset(' \t\r\n{}[],:"-+.0123456789eEtrufalsn')
 
     def __init__(self) -> None:
-        self.text = ""
+        self._parts: list[str] = []
+        self._joined = ""
+        self.length = 0
         self.depth = 0
         self.in_str = False
         self.esc = False
-        self.str_start = 0
+        self._token: list[str] | None = None  # the top-level string being read, quotes included
+        self._last = -1  # index of the last char that was not whitespace outside a string
         self.expect_key = False
         self.key: str | None = None
         self.value_key: str | None = None  # the top-level key whose value is being read
         self.value_start: int | None = None
         self.name: str | None = None
         self.args_start: int | None = None
+        self.args_open = ""  # the first char of the arguments value
         self.args_end: int | None = None
         self.end: int | None = None  # index just past the closing brace
         self.error: str | None = None
 
+    def slice(self, lo: int, hi: int) -> str:
+        if hi > len(self._joined):
+            self._joined = "".join(self._parts)
+        return self._joined[lo:hi]
+
     def feed(self, chunk: str) -> int:
         """Scan ``chunk``; returns how many of its chars were read: all of them, or those up to the
         object's closing brace, or those before a char that cannot be JSON (``error`` says so)."""
-        base = len(self.text)
-        self.text += chunk
+        base = self.length
+        n = len(chunk)
         for k, ch in enumerate(chunk):
             if self.end is not None:
-                self.text = self.text[: base + k]
-                return k
+                n = k
+                break
             self._char(base + k, ch)
-            if self.error:
-                self.text = self.text[: base + k]
-                return k
-        return len(chunk)
+            if self.error:  # the offending char is not read
+                n = k
+                break
+        self._parts.append(chunk[:n])
+        self.length += n
+        return n
 
     def _char(self, i: int, ch: str) -> None:
         if self.in_str:
+            if self._token is not None:
+                self._token.append(ch)
             if self.esc:
                 self.esc = False
             elif ch == "\\":
@@ -581,11 +620,12 @@ class _JsonScan:
             elif ch == '"':
                 self.in_str = False
                 self._string_done(i)
+            self._last = i
             return
         if ch not in self._ALLOWED:
             self.error = "unexpected character outside a string"
             return
-        if ch.isspace():
+        if ch in " \t\r\n":
             return
         if self.depth == 0 and ch != "{":
             self.error = "does not start with '{'"
@@ -593,10 +633,10 @@ class _JsonScan:
         if self.depth == 1 and self.value_key is not None and self.value_start is None:
             self.value_start = i
             if self.value_key in ("arguments", "parameters") and self.args_start is None:
-                self.args_start = i
+                self.args_start, self.args_open = i, ch
         if ch == '"':
             self.in_str = True
-            self.str_start = i
+            self._token = ['"'] if self.depth == 1 else None
         elif ch in "{[":
             self.depth += 1
             if self.depth == 1:
@@ -607,7 +647,7 @@ class _JsonScan:
                 self._value_done(i + 1)
             elif self.depth == 0:
                 if self.value_start is not None:
-                    self._value_done(i)
+                    self._value_done(self._last + 1)
                 self.end = i + 1
             elif self.depth < 0:
                 self.error = "unbalanced brackets"
@@ -619,36 +659,34 @@ class _JsonScan:
                 self.value_key, self.value_start, self.key = self.key, None, None
             elif ch == ",":
                 if self.value_start is not None:
-                    self._value_done(i)
+                    self._value_done(self._last + 1)
                 self.value_key = None
                 self.expect_key = True
+        self._last = i
 
     def _string_done(self, i: int) -> None:
-        if self.depth != 1:
+        if self._token is None:
+            return
+        token, self._token = "".join(self._token), None
+        try:
+            text = json.loads(token)
+        except ValueError:
+            self.error = "bad string"
             return
         if self.expect_key and self.value_key is None:
-            try:
-                self.key = json.loads(self.text[self.str_start: i + 1])
-            except ValueError:
-                self.error = "bad key string"
+            self.key = text
             self.expect_key = False
-        elif self.value_key is not None and self.value_start == self.str_start:
+        elif self.value_key is not None and self.value_start == i + 1 - len(token):
+            if self.value_key == "name" and self.name is None and text:
+                self.name = text
             self._value_done(i + 1)
 
     def _value_done(self, stop: int) -> None:
         """The top-level value being read ends at ``stop`` (exclusive)."""
         if self.value_key is None or self.value_start is None:
             return
-        raw = self.text[self.value_start: stop].rstrip()
-        if self.value_key == "name" and self.name is None and raw.startswith('"'):
-            try:
-                got = json.loads(raw)
-            except ValueError:
-                got = None
-            if isinstance(got, str) and got:
-                self.name = got
         if self.value_start == self.args_start and self.args_end is None:
-            self.args_end = self.value_start + len(raw)
+            self.args_end = stop
         self.value_key = None
         self.value_start = None
 
@@ -776,13 +814,16 @@ def _all_finite(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class ToolCall:
+    """A complete call, as ``Collected`` gathers it."""
+
     index: int
     id: str
     name: str
     arguments: str  # a JSON object
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        fn = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": fn}
 
 
 @dataclass
@@ -795,7 +836,7 @@ class Collected:
     malformed: list[str] = field(default_factory=list)
     _open: dict[int, tuple[str, str, list[str]]] = field(default_factory=dict)
 
-    def add(self, events: Sequence[Event]) -> "Collected":
+    def add(self, events: Sequence[Event]) -> Collected:
         for ev in events:
             if isinstance(ev, Content):
                 self.content += ev.text
@@ -825,7 +866,9 @@ class Parsed(NamedTuple):
 def parse_complete(text: str, tool_format: str, reasoning: bool, think_in_prompt: bool,
                    tools: Sequence[dict[str, Any]] | None = None, *, id_prefix: str | None = None,
                    on_malformed: Callable[[str], None] | None = None) -> Parsed:
-    """A whole output at once: (content, reasoning, tool_calls); ``on_malformed(reason)`` per malformed call."""
+    """A whole output at once: (content, reasoning, tool_calls).
+
+    ``on_malformed(reason)`` is called once per malformed call (its raw text is in the content)."""
     parser = OutputParser(tool_format, reasoning, think_in_prompt, tools, id_prefix=id_prefix)
     got = Collected().add(parser.feed(text)).add(parser.finish())
     if on_malformed is not None:

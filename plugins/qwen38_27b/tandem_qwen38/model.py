@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from tandem_core import ops
 from tandem_core.engine import Capabilities, Manifest, MemoryPart
@@ -47,7 +46,7 @@ __all__ = ["Qwen38Engine", "ContextFull", "Step", "LiveState", "KVLength", "ENGI
 
 # the ops this engine calls, resolved once per engine for its device
 ENGINE_OPS = ("rms_norm_1p", "gated_rms_norm", "l2_norm", "causal_conv", "gdn_chunk", "gdn_recurrent", "rope",
-              "attention")
+              "attention", "sigmoid", "silu", "softplus")
 
 
 class ContextFull(ValueError):
@@ -232,8 +231,8 @@ class Qwen38Engine:
         q = op["l2_norm"](q.reshape(T, hk, dk))                                 # q: [T, Hk, Dk] fp32
         k = op["l2_norm"](k.reshape(T, hk, dk))                                 # k: [T, Hk, Dk] fp32
         v = v.reshape(T, hv, dv)                                                # v: [T, Hv, Dv]
-        beta = torch.sigmoid(b.float())                                         # beta: [T, Hv]
-        g = -w.A_log.exp() * F.softplus(a.float() + w.dt_bias)                  # g: [T, Hv] log-decay
+        beta = op["sigmoid"](b)                                                 # beta: [T, Hv] fp32
+        g = -w.A_log.exp() * op["softplus"](a.float() + w.dt_bias)              # g: [T, Hv] fp32 log-decay
 
         if step.recurrent:
             o, S = op["gdn_recurrent"](q, k, v, g, beta, self._S[slot], scale=dk ** -0.5)
@@ -259,12 +258,12 @@ class Qwen38Engine:
         self._V[slot, :, step.start:step.end] = v.transpose(0, 1)
         o = op["attention"](q, self._K[slot, :, :step.end], self._V[slot, :, :step.end],
                             step.mask(self.device), D ** -0.5)                   # o: [T, Hq, D]
-        o = o.reshape(T, hq * D) * torch.sigmoid(gate)
+        o = o.reshape(T, hq * D) * op["sigmoid"](gate).to(self.act_dtype)
         return w.o.matmul(o)
 
     def _mlp(self, x: torch.Tensor, w: MLPWeights) -> torch.Tensor:
         # x: [T, H] -> [T, H]: down(silu(gate(x)) * up(x))
-        return w.down.matmul(F.silu(w.gate.matmul(x)) * w.up.matmul(x))
+        return w.down.matmul(self._ops["silu"](w.gate.matmul(x)).to(self.act_dtype) * w.up.matmul(x))
 
     # -- cold verbs ------------------------------------------------------------------------------
     def cache_state(self) -> ModelState:

@@ -1,0 +1,8 @@
+"""tandem-drafters: drafters for TandemLLM's speculative decoding. Importing it does nothing.
+
+``tandem_drafters.plugin`` registers them (entry point ``drafters`` in the group ``tandem``);
+``tandem_drafters.lookup`` is the lookup drafter, ``tandem_drafters.corpus`` its persistent store.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]

@@ -1,0 +1,139 @@
+"""``serve(args, ctx) -> Served``: everything the server needs for a Qwen3.5-architecture checkpoint.
+
+Stages (each marked on ``ctx``): ``config`` (strict read of config.json),
+``audit`` (headers, layout and audit: nothing loaded yet), ``weights`` (every
+tensor, ``ctx.progress`` per tensor), ``engine`` (buffers for ``max_context``),
+``tokenizer`` (tokenizer.json and the chat template). The model writes a
+``<think>`` block (``reasoning``) and tool calls in Qwen's XML form
+(``tool_format="qwen_xml"``). ``spawn`` builds another engine over the same
+weight objects with its own buffers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tandem_core.checkpoint.config import ConfigError
+from tandem_core.serving import ServeArgs, ServeContext, Served
+from tandem_core.settings import SETTINGS
+from tandem_core.tokenizer import HFTokenizer, load_chat_template
+
+from tandem_qwen38.config import Qwen38Config, read_config
+from tandem_qwen38.model import Qwen38Engine
+from tandem_qwen38.weights import Qwen38Weights, load_weights, normalise_dtype, open_checkpoint
+
+__all__ = ["serve", "ServeError", "think_in_prompt", "build_engine"]
+
+
+class ServeError(RuntimeError):
+    """The checkpoint directory cannot be served; the message names the file."""
+
+
+def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int, prefill_chunk: int) -> Qwen38Engine:
+    return Qwen38Engine(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk)
+
+
+def serve(args: ServeArgs, ctx: ServeContext) -> Served:
+    """Load the checkpoint at ``args.path`` and build the engine, the tokenizer and the template."""
+    d = Path(args.path)
+    for name in ("config.json", "tokenizer.json"):
+        if not (d / name).exists():
+            raise ServeError(f"{d}: no {name} (a qwen3_5 checkpoint directory needs the model's {name})")
+    try:
+        raw = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ServeError(f"{d / 'config.json'}: not valid JSON ({exc})") from exc
+    cfg = read_config(raw)
+    dtype = normalise_dtype(args.dtype)
+    ctx.mark("config")
+
+    ckpt = open_checkpoint(d, cfg)
+    ctx.mark("audit")
+    weights = load_weights(ckpt, cfg, dtype, args.device, progress=ctx.progress)
+    ctx.mark("weights")
+
+    max_context = int(args.max_context)
+    if max_context > cfg.max_position_embeddings:
+        ctx.log(f"max_context {max_context} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}; using {cfg.max_position_embeddings}")
+        max_context = cfg.max_position_embeddings
+    prefill_chunk = int(args.options.get("prefill_chunk", SETTINGS.get("QWEN38_PREFILL_CHUNK")))
+    engine = build_engine(cfg, weights, max_context, prefill_chunk)
+    ctx.mark("engine")
+
+    tokenizer = HFTokenizer.from_dir(d)
+    template = load_chat_template(d)
+    if not template:
+        raise ServeError(f"{d}: no chat template (neither chat_template.jinja nor tokenizer_config.json's "
+                         f"chat_template)")
+    stop_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *cfg.eos_token_ids]))
+    if not stop_ids:
+        raise ConfigError(f"{d}: no stop token: tokenizer_config.json names no eos_token and neither "
+                          f"config.json nor generation_config.json has an eos_token_id")
+    opens_think = think_in_prompt(template)
+    ctx.mark("tokenizer")
+
+    manifest = engine.manifest()
+    info: dict[str, Any] = {
+        "weights": str(d),
+        "architecture": cfg.architecture,
+        "dtype": dtype,
+        "device": str(weights.device),
+        "parameters": weights.parameter_count(),
+        "layers": {"gated_deltanet": len(cfg.linear_layers), "attention": len(cfg.attention_layers)},
+        "max_context": max_context,
+        "prefill_chunk": prefill_chunk,
+        "tied_head": weights.tied,
+        "skipped": ckpt.skipped,
+        "fingerprints": {"weights": weights.identity, "tokenizer": tokenizer.fingerprint(),
+                         "manifest": manifest.fingerprint()},
+        "memory": [part._asdict() for part in engine.memory_parts()],
+    }
+    ctx.log(f"qwen3_5: {info['parameters']:,} parameters in {dtype} on {weights.device}, "
+            f"{sum(ckpt.skipped.values())} tensors skipped ({', '.join(sorted(ckpt.skipped)) or 'none'})")
+
+    def spawn() -> Qwen38Engine:
+        return build_engine(cfg, weights, max_context, prefill_chunk)
+
+    return Served(
+        model_id=args.model_id,
+        engine=engine,
+        tokenizer=tokenizer,
+        chat_template=template,
+        tool_format="qwen_xml",
+        reasoning=True,
+        think_in_prompt=opens_think,
+        stop_ids=stop_ids,
+        info=info,
+        spawn=spawn,
+    )
+
+
+def think_in_prompt(template: str) -> bool:
+    """True when the template's generation prompt ends inside an open ``<think>`` block.
+
+    Renders the template (sandboxed) for one user message with and without the
+    generation prompt; the suffix the generation prompt adds decides.
+    """
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda value, indent=None, **kw: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: "2025-01-01"
+    try:
+        tmpl = env.from_string(template)
+        messages = [{"role": "user", "content": "hello"}]
+        with_prompt = tmpl.render(messages=messages, add_generation_prompt=True, tools=None)
+        without = tmpl.render(messages=messages, add_generation_prompt=False, tools=None)
+    except TemplateError as exc:
+        raise ServeError(f"the chat template does not render a one-message conversation: {exc}") from exc
+    suffix = with_prompt[len(without):] if with_prompt.startswith(without) else with_prompt
+    opened = suffix.rfind("<think>")
+    return opened >= 0 and suffix.find("</think>", opened) < 0

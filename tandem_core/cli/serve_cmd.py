@@ -1,0 +1,121 @@
+"""``tandem serve``: load a model, then serve it behind the OpenAI API until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tandem_core.cli.main import CliError
+from tandem_core.serving import ServeArgs, ServeContext
+from tandem_core.settings import SETTINGS
+
+__all__ = ["configure_serve", "run_serve"]
+
+
+def configure_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a registry id or a checkpoint path (default: the default model)")
+    p.add_argument("--weights", help="the checkpoint path, when --model is a registry id")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--parallel", type=int, default=1, help="sequences served at once (one engine each)")
+    p.add_argument("--queue", type=int, default=8, help="requests that may wait for an engine (then 429)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
+    p.add_argument("--max-context", type=int, default=8192, help="the most tokens one sequence holds")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--ledger", help="the usage ledger's SQLite file (default: $TANDEM_HOME/ledger.sqlite)")
+
+
+class _Bar:
+    """A load progress bar on stderr: redrawn in place on a terminal, a line every quarter otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last: tuple[str, int] | None = None
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        total = max(total, 1)
+        frac = min(max(done / total, 0.0), 1.0)
+        step = int(frac * 100) if self.tty else int(frac * 4) * 25
+        if self.last == (what, step):
+            return
+        self.last = (what, step)
+        width = 30
+        fill = int(frac * width)
+        line = f"{what:>10} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {_size(done)}/{_size(total)}"
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if done >= total else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _logging() -> None:
+    level = str(SETTINGS.get("LOG_LEVEL")).upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("tandem")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tandem_core import catalog
+    from tandem_core.loader import LoadError, load_served
+    from tandem_core.registry import UnknownArchitecture
+    from tandem_core.server.app import ParallelUnavailable, ServerOptions, ServerState, build_app
+    from tandem_core.server.ledger import default_path
+
+    _logging()
+    log = logging.getLogger("tandem.serve")
+    if args.parallel < 1 or args.queue < 0:
+        raise CliError("--parallel must be >= 1 and --queue >= 0")
+    ctx = ServeContext(log=lambda line: log.info("%s", line), progress=_Bar())
+    t0 = time.perf_counter()
+    try:
+        served = load_served(args.model, weights=args.weights, ctx=ctx,
+                             args=ServeArgs(model_id="", path=Path("."), dtype=args.dtype,
+                                            max_context=args.max_context, threads=int(SETTINGS.get("THREADS"))))
+    except (catalog.ModelNotFound, LoadError, UnknownArchitecture) as exc:
+        raise CliError(str(exc)) from exc
+    for stage, t in served.info.get("load_stages", ctx.stages):
+        print(f"  loaded: {stage:<16} {t:8.2f}s", file=sys.stderr)
+    options = ServerOptions(parallel=args.parallel, queue=args.queue, api_key=args.api_key,
+                            max_context=args.max_context,
+                            ledger=Path(args.ledger).expanduser() if args.ledger else default_path(),
+                            wait_comment_s=float(SETTINGS.get("WAIT_COMMENT_S")))
+    try:
+        state = ServerState(served, options)
+    except ParallelUnavailable as exc:
+        raise CliError(str(exc)) from exc
+    app = build_app(served, options, state)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}/v1"
+    ready = (f"tandem: serving {served.model_id} at {url} (OpenAI-compatible; loaded in "
+             f"{time.perf_counter() - t0:.1f}s, max context {state.max_context}, {args.parallel} engine(s))")
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                print(ready, flush=True)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = _Server(config)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,184 @@
+"""The drafter contract: what a drafter reads of the target, what it proposes, and the load-time check.
+
+A drafter guesses the target's next tokens so that one verify forward can
+accept several at once. It never decides anything: the target's own picks do
+(``tandem_core.spec.walk``), so a wrong guess costs time, never correctness.
+
+The life of a drafter, for one sequence::
+
+    d = build_drafter("lookup", target)        # construct, then check_target(...) refuses a mismatch
+    d.begin(prompt_ids)                         # the sequence is now exactly prompt_ids
+    while generating:
+        p = d.propose(context_ids, max_nodes)   # a chain or tree continuing context_ids[-1]
+        ...verify, walk, commit...
+        d.accepted(tokens)                      # these tokens were appended to the sequence
+    d.reset()                                   # forget the sequence (and, for lookup, the session)
+
+``context_ids`` is the sequence ``begin`` + every ``accepted`` so far, possibly
+followed by tokens the loop holds but has not committed yet (the model's own
+token from the last round, whose KV row the next verify computes). A drafter
+may treat that tail as provisional.
+
+Construction convention: a registered drafter (``tandem_drafters`` hook,
+``register(name, "module:Class")``) is built as ``Class(target=TargetInfo, **options)``;
+``build_drafter`` does that and then runs ``check_target``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+__all__ = [
+    "Requirements", "TargetInfo", "Proposal", "Drafter", "DrafterMismatch", "check_target", "build_drafter",
+]
+
+
+class DrafterMismatch(ValueError):
+    """A drafter needs something of the target that the target does not offer (the message names both)."""
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a drafter reads of the target.
+
+    hidden_layers  layers whose hidden states it reads (indices into the target's layers)
+    embedding      it reads the target's input embedding
+    head           it reads the target's output head (lm_head)
+    tokenizer      the sha256 fingerprint of the tokenizer its token ids mean, or None (any tokenizer)
+    vocab_size     the vocabulary its own head or tables assume, or None (any)
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+    embedding: bool = False
+    head: bool = False
+    tokenizer: str | None = None
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a target offers a drafter. ``name`` is the model's id, for messages only."""
+
+    hidden_layers: tuple[int, ...] = ()
+    embedding: bool = False
+    head: bool = False
+    tokenizer: str | None = None
+    vocab_size: int = 0
+    name: str = ""
+
+    @classmethod
+    def of(cls, caps: Any, *, tokenizer: str | None, vocab_size: int, embedding: bool = True,
+           head: bool = True, name: str = "") -> "TargetInfo":
+        """From an engine's ``Capabilities`` (its ``hidden_layers``) and the served tokenizer."""
+        return cls(tuple(caps.hidden_layers), embedding, head, tokenizer, int(vocab_size), name)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A drafter's guess: a chain or a tree of tokens continuing the context's last token.
+
+    tokens   [N] token ids
+    parents  [N] parent node index, ``parents[i] < i``; -1: a child of the context's last token
+    probs    [N] the drafter's probability of ``tokens[i]`` given the path to its parent
+             (conditional, in [0, 1]; the tree multiplies them into path probabilities)
+    source   the drafter's name (calibration keeps one curve a source)
+
+    Nodes come parents first (a topological order). A chain has ``parents == (-1, 0, 1, ...)``.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    probs: tuple[float, ...]
+    source: str
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if len(self.parents) != n or len(self.probs) != n:
+            raise ValueError(f"proposal from {self.source!r}: tokens, parents and probs differ in length "
+                             f"({n}, {len(self.parents)}, {len(self.probs)})")
+        for i, (par, p) in enumerate(zip(self.parents, self.probs)):
+            if not -1 <= par < i:
+                raise ValueError(f"proposal from {self.source!r}: node {i} has parent {par} (need -1 <= parent < {i})")
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"proposal from {self.source!r}: node {i} has probability {p} outside [0, 1]")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], probs: Sequence[float], source: str) -> "Proposal":
+        return cls(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)),
+                   tuple(float(p) for p in probs), source)
+
+    @classmethod
+    def empty(cls, source: str) -> "Proposal":
+        return cls((), (), (), source)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A drafter for one sequence at a time. See the module docstring for the call order.
+
+    Calls come from the decode loop's thread only; a drafter needs no locks.
+    ``propose`` must be fast (it runs every round, before the verify) and must
+    not mutate what ``begin``/``accepted`` built beyond caching.
+    """
+
+    name: str
+
+    def requires(self) -> Requirements:
+        """What it reads of the target (checked at load by ``check_target``)."""
+        ...
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """A new sequence starts: it is exactly ``prompt_ids``."""
+        ...
+
+    def propose(self, context_ids: Sequence[int], max_nodes: int) -> Proposal:
+        """At most ``max_nodes`` nodes continuing ``context_ids[-1]`` (an empty proposal is fine)."""
+        ...
+
+    def accepted(self, tokens: Sequence[int]) -> None:
+        """``tokens`` were appended to the sequence (the accepted path and the model's own token)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget everything learnt from sequences (not the construction options)."""
+        ...
+
+
+def check_target(drafter_name: str, requirements: Requirements, target: TargetInfo) -> None:
+    """Refuse a drafter whose requirements the target does not meet; the message names every mismatch."""
+    problems: list[str] = []
+    missing = sorted(set(requirements.hidden_layers) - set(target.hidden_layers))
+    if missing:
+        problems.append(f"hidden layer(s) {missing} (the target offers {sorted(target.hidden_layers) or 'none'})")
+    if requirements.embedding and not target.embedding:
+        problems.append("the embedding (the target does not offer it)")
+    if requirements.head and not target.head:
+        problems.append("the head (the target does not offer it)")
+    if requirements.tokenizer is not None and requirements.tokenizer != target.tokenizer:
+        problems.append(f"tokenizer sha256 {requirements.tokenizer} (the target's is {target.tokenizer or 'unknown'})")
+    if requirements.vocab_size is not None and requirements.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {requirements.vocab_size} (the target's is {target.vocab_size})")
+    if problems:
+        who = f" {target.name!r}" if target.name else ""
+        raise DrafterMismatch(f"drafter {drafter_name!r} cannot draft for target{who}: it needs "
+                              + "; ".join(problems))
+
+
+def build_drafter(name: str, target: TargetInfo, **options: Any) -> Drafter:
+    """Build the drafter registered as ``name`` for ``target`` and check it (``DrafterMismatch`` on a mismatch)."""
+    from tandem_core.plugins import import_string, registries
+
+    known = registries().drafters
+    if name not in known:
+        raise KeyError(f"no drafter {name!r} registered; known: {', '.join(sorted(known)) or 'none'}")
+    factory = import_string(known[name]) if isinstance(known[name], str) else known[name]
+    drafter = factory(target=target, **options)
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter {name!r} ({known[name]}) does not implement the Drafter protocol")
+    check_target(name, drafter.requires(), target)
+    return drafter
+

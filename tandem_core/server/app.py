@@ -1,0 +1,361 @@
+"""The FastAPI app: routes, authentication, and the bridge from the event loop to the engine threads.
+
+``build_app(served, options)`` returns the ASGI app. Requests are checked and
+prepared off the event loop (``prepare``), admitted (``admission``), decoded in a
+worker thread per engine (``generate``), and answered whole or as server-sent
+events (``stream``). After each request: one log line (counts and times, never
+text), one ledger row, and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from tandem_core.server.admission import Admission, QueueFull, Slot, Ticket
+from tandem_core.server.fields import FieldError
+from tandem_core.server.generate import Outcome, run_job
+from tandem_core.server.grammar import Grammars
+from tandem_core.server.ledger import Ledger, UsageRow
+from tandem_core.server.metrics import Metrics
+from tandem_core.server.prepare import Job, ModelNotServed, prepare_chat, prepare_completion
+from tandem_core.server.stream import (
+    SSE_DONE, ChatAnswer, ChatChunks, Delta, TextAnswer, TextChunks, Usage, sse, sse_comment,
+)
+from tandem_core.serving import Served
+
+__all__ = ["ServerOptions", "ServerState", "build_app", "ParallelUnavailable"]
+
+log = logging.getLogger("tandem.server")
+
+
+class ParallelUnavailable(ValueError):
+    """``--parallel N`` asked for more engines than the model can build (its ``spawn`` is None)."""
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    parallel: int = 1
+    queue: int = 8
+    api_key: str | None = None
+    max_context: int = 8192
+    ledger: Path | None = None          # None: no ledger
+    wait_comment_s: float = 10.0        # TANDEM_WAIT_COMMENT_S
+
+
+def _engines(served: Served, n: int) -> list[Any]:
+    if n < 1:
+        raise ParallelUnavailable(f"--parallel {n}: at least one engine is needed")
+    if n > 1 and served.spawn is None:
+        raise ParallelUnavailable(f"--parallel {n}: model {served.model_id} cannot build more than one engine "
+                                  f"(its plugin gives no spawn); serve it with --parallel 1")
+    engines = [served.engine]
+    while len(engines) < n:
+        assert served.spawn is not None
+        engines.append(served.spawn())
+    return engines
+
+
+class ServerState:
+    """Everything the routes share: the model, the engines and their queue, the books."""
+
+    def __init__(self, served: Served, options: ServerOptions) -> None:
+        self.served = served
+        self.options = options
+        engines = _engines(served, options.parallel)
+        self.admission = Admission(engines, options.queue)
+        self.pool = ThreadPoolExecutor(len(engines), thread_name_prefix="tandem-engine")
+        cap = served.engine.caps.max_context
+        self.max_context = min(options.max_context, cap) if cap > 0 else options.max_context
+        self.grammars = Grammars(served.tokenizer, served.stop_ids)
+        self.ledger = Ledger(options.ledger) if options.ledger is not None else None
+        self.metrics = Metrics(self._gauges)
+        self.started = int(time.time())
+        self.tokenizer_fingerprint = served.tokenizer.fingerprint()
+        self.active: set[threading.Event] = set()
+
+    def _gauges(self) -> dict[str, float]:
+        return {"engines": len(self.admission.slots), "engines_busy": self.admission.busy,
+                "queue_waiting": len(self.admission.waiting), "queue_limit": self.admission.limit}
+
+    # -- running a job ---------------------------------------------------------------------------------
+
+    def launch(self, job: Job, slot: Slot, emit: Callable[[Delta], None], queued_s: float
+               ) -> tuple[asyncio.Future[Outcome], threading.Event]:
+        """Start ``job`` on ``slot``'s engine in its worker thread; the slot comes back when it ends."""
+        loop = asyncio.get_running_loop()
+        cancel = threading.Event()
+        self.active.add(cancel)
+
+        def work() -> Outcome:
+            t0 = time.perf_counter()
+            try:
+                outcome = run_job(slot.engine, job, self.served, emit, cancel)
+                self.record(job, outcome, queued_s)
+                return outcome
+            finally:
+                held = time.perf_counter() - t0
+                try:
+                    loop.call_soon_threadsafe(self._returned, slot, held, cancel)
+                except RuntimeError:  # the loop is gone (shutdown)
+                    pass
+
+        return loop.run_in_executor(self.pool, work), cancel
+
+    def _returned(self, slot: Slot, held: float, cancel: threading.Event) -> None:
+        self.active.discard(cancel)
+        self.admission.served(held)
+        self.admission.release(slot)
+
+    def record(self, job: Job, out: Outcome, queued_s: float) -> None:
+        """The request's log line, metrics and ledger row (counts and times, never text)."""
+        now = time.perf_counter()
+        ttft = None if out.t_first is None else out.t_first - job.t_arrival
+        capped = f" capped_max_tokens={job.capped_from}->{job.decode.max_tokens}" if job.capped_from else ""
+        log.info("req=%s endpoint=%s prompt=%d completion=%d finish=%s ttft=%s decode=%s queued=%.2fs "
+                 "total=%.2fs%s%s", job.rid, job.endpoint, out.prompt_tokens, out.completion_tokens, out.finish,
+                 "-" if ttft is None else f"{ttft:.3f}s",
+                 "-" if out.decode_rate is None else f"{out.decode_rate:.1f}tok/s", queued_s, now - job.t_arrival,
+                 capped, f" error={out.error.split(':')[0]}" if out.error else "")
+        self.metrics.request(job.endpoint, out.finish, out.prompt_tokens, out.completion_tokens, ttft,
+                             out.decode_rate)
+        if self.ledger is not None:
+            try:
+                self.ledger.write(UsageRow(
+                    ts=job.ts, request_id=job.rid, model=job.model, endpoint=job.endpoint,
+                    prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                    finish_reason=out.finish, ttft_s=ttft, decode_tps=out.decode_rate, queued_s=queued_s,
+                    duration_s=now - job.t_arrival, max_tokens=job.decode.max_tokens,
+                    capped_from=job.capped_from, stream=job.stream))
+            except Exception as exc:  # the ledger never fails a request
+                log.error("req=%s ledger write failed: %s", job.rid, exc)
+
+    def close(self) -> None:
+        for ev in list(self.active):
+            ev.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.ledger is not None:
+            self.ledger.close()
+
+
+# -- responses ---------------------------------------------------------------------------------------------
+
+def _error(status: int, message: str, *, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | None = None, headers: dict[str, str] | None = None) -> Any:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def _json(body: Any) -> Any:
+    return Response(json.dumps(body, default=str), media_type="application/json")
+
+
+async def _disconnected(request: Any) -> bool:
+    try:
+        return bool(await request.is_disconnected())
+    except Exception:
+        return True
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited for an engine."""
+
+
+async def _wait_slot(request: Any, ticket: Ticket, timeout: float | None) -> Slot | None:
+    """The ticket's slot; None after ``timeout`` s; ``ClientGone`` if the client went away."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        step = 0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))
+        done, _ = await asyncio.wait({ticket.slot}, timeout=step)
+        if done:
+            return ticket.slot.result()
+        if await _disconnected(request):
+            raise ClientGone()
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+
+
+def _wait_line(state: ServerState, ticket: Ticket) -> str:
+    pos = state.admission.position(ticket)
+    est = state.admission.estimate(max(pos, 1))
+    about = f"about {est:.0f} s" if est is not None else "no estimate yet"
+    return f"waiting for the engine: {pos} in line, {about}"
+
+
+class _BearerAuth:
+    """Plain ASGI middleware: ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <key>``; ``/health`` does not."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path == "/metrics"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not (given.startswith(b"Bearer ") and hmac.compare_digest(given[7:], self.key)):
+                response = _error(401, "a valid API key is required: Authorization: Bearer <key>",
+                                  kind="authentication_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(served: Served, options: ServerOptions, state: ServerState | None = None) -> Any:
+    state = state or ServerState(served, options)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.close()
+
+    app = FastAPI(title="TandemLLM", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.tandem = state
+
+    if options.api_key:
+        app.add_middleware(_BearerAuth, key=options.api_key)
+
+    @app.get("/health")
+    async def health() -> Any:
+        info = dict(served.info)
+        eng = served.engine
+        return _json({
+            "status": "ok", "model": served.model_id,
+            "weights": info.get("weights", info.get("path")),
+            "fingerprints": {"tokenizer": state.tokenizer_fingerprint, **(info.get("fingerprints") or {})},
+            "load_stages": info.get("load_stages", []),
+            "memory": [{"name": m.name, "bytes": m.nbytes, "device": m.device} for m in eng.memory_parts()],
+            "engine": {"device": eng.caps.device, "dtype": eng.caps.dtype, "max_context": state.max_context,
+                       "engines": len(state.admission.slots), "busy": state.admission.busy,
+                       "waiting": len(state.admission.waiting), "queue": state.admission.limit},
+            "info": info,
+        })
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return _json({"object": "list", "data": [{
+            "id": served.model_id, "object": "model", "created": state.started, "owned_by": "tandem",
+            "max_model_len": state.max_context}]})
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def handle(request: Request, endpoint: str) -> Any:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "body: not valid JSON", param="body")
+        try:
+            if endpoint == "chat":
+                job = await asyncio.to_thread(prepare_chat, body, served, state.max_context, state.grammars)
+            else:
+                job = await asyncio.to_thread(prepare_completion, body, served, state.max_context)
+        except FieldError as exc:
+            return _error(400, exc.message, param=exc.field)
+        except ModelNotServed as exc:
+            return _error(404, str(exc), param="model", code="model_not_found")
+        try:
+            ticket = state.admission.enter()
+        except QueueFull as exc:
+            state.metrics.reject("queue_full")
+            return _error(429, str(exc), kind="rate_limit_error", code="queue_full",
+                          headers={"Retry-After": str(exc.retry_after)})
+        t_queue = time.perf_counter()
+        try:
+            if job.stream:
+                slot = await _wait_slot(request, ticket, options.wait_comment_s)
+                return StreamingResponse(streamed(job, ticket, slot, t_queue), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
+            slot = await _wait_slot(request, ticket, None)
+            assert slot is not None
+        except ClientGone:
+            state.admission.leave(ticket)
+            return _error(499, "the client closed the request while it waited", kind="client_closed")
+        except BaseException:
+            state.admission.leave(ticket)
+            raise
+        return await whole(request, job, slot, t_queue)
+
+    async def whole(request: Request, job: Job, slot: Slot, t_queue: float) -> Any:
+        answer: ChatAnswer | TextAnswer
+        if job.endpoint == "chat":
+            answer = ChatAnswer(job.rid, job.model, job.created, logprobs=job.logprobs)
+        else:
+            answer = TextAnswer(job.rid, job.model, job.created, logprobs=job.logprobs)
+        fut, cancel = state.launch(job, slot, answer.add, time.perf_counter() - t_queue)
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=0.25)
+                if done:
+                    break
+                if await _disconnected(request):
+                    cancel.set()
+        finally:
+            if not fut.done():
+                cancel.set()
+        out = fut.result()
+        if out.finish == "error":
+            return _error(500, f"generation failed: {out.error}", kind="server_error")
+        usage = Usage(out.prompt_tokens, out.completion_tokens, out.reasoning_tokens)
+        return _json(answer.body(out.finish, usage))
+
+    async def streamed(job: Job, ticket: Ticket, slot: Slot | None, t_queue: float) -> AsyncIterator[bytes]:
+        cancel: threading.Event | None = None
+        try:
+            while slot is None:
+                yield sse_comment(_wait_line(state, ticket))
+                done, _ = await asyncio.wait({ticket.slot}, timeout=options.wait_comment_s)
+                if done:
+                    slot = ticket.slot.result()
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[Delta | None] = asyncio.Queue()
+            fut, cancel = state.launch(job, slot, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d),
+                                       time.perf_counter() - t_queue)
+            fut.add_done_callback(lambda _f: queue.put_nowait(None))
+            chunks: ChatChunks | TextChunks
+            if job.endpoint == "chat":
+                chunks = ChatChunks(job.rid, job.model, job.created, include_usage=job.include_usage,
+                                    logprobs=job.logprobs)
+                yield sse(chunks.first())
+            else:
+                chunks = TextChunks(job.rid, job.model, job.created, include_usage=job.include_usage,
+                                    logprobs=job.logprobs)
+            while (d := await queue.get()) is not None:
+                yield sse(chunks.delta(d))
+            out = fut.result()
+            if out.finish == "error":
+                yield sse({"error": {"message": f"generation failed: {out.error}", "type": "server_error",
+                                     "param": None, "code": None}})
+            else:
+                yield sse(chunks.finish(out.finish))
+                if job.include_usage:
+                    yield sse(chunks.usage(Usage(out.prompt_tokens, out.completion_tokens, out.reasoning_tokens)))
+            yield SSE_DONE
+        finally:
+            if cancel is not None:
+                cancel.set()  # a no-op after a finished decode; stops one whose client went away
+            else:
+                state.admission.leave(ticket)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await handle(request, "completions")
+
+    return app
