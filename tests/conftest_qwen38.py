@@ -80,7 +80,7 @@ def rerandomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def write_tokenizer(directory: Path, vocab_size: int) -> None:
-    """A word-level ``tokenizer.json`` filling ``vocab_size`` ids, the Qwen special tokens, a chat template."""
+    """A word-level ``tokenizer.json`` of ``vocab_size`` ids (Qwen's special tokens), a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     n_words = vocab_size - len(SPECIALS)

@@ -74,8 +74,9 @@ def run() -> dict[str, str]:
     import numpy as np
     import torch
 
-    if str(PLUGIN_SRC) not in sys.path:
-        sys.path.insert(0, str(PLUGIN_SRC))
+    for src in (ROOT, PLUGIN_SRC):  # the checkout's sources, installed or not
+        if str(src) not in sys.path:
+            sys.path.insert(0, str(src))
     from tandem_qwen38.config import read_config
     from tandem_qwen38.model import Qwen38Engine
     from tandem_qwen38.weights import build_weights, expected_tensors
@@ -125,8 +126,9 @@ def child_env(capability: str = "default") -> dict[str, str]:
 
 def run_pinned(capability: str = "default") -> dict[str, str]:
     """Run the gate in a child process with the pinned environment; returns its hashes."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], env=child_env(capability),
-                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"],
+                          env=child_env(capability), capture_output=True, text=True, timeout=300,
+                          cwd=str(ROOT))
     if proc.returncode != 0:
         raise RuntimeError(f"refactor gate child failed (ATEN_CPU_CAPABILITY={capability}):\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -139,9 +141,9 @@ def main(argv: list[str]) -> int:
     hashes = run_pinned()
     if "--record" in argv:
         FIXTURE.parent.mkdir(parents=True, exist_ok=True)
-        FIXTURE.write_text(json.dumps({"about": "tests/refactor_gate_run.py: sha256 of every logit and state byte "
-                                                "of a tiny qwen3_5 engine's prefill and decodes",
-                                       "hashes": hashes}, indent=1, sort_keys=True) + "\n")
+        about = ("tests/refactor_gate_run.py: sha256 of every logit and state byte of a tiny qwen3_5 "
+                 "engine's prefill and decodes")
+        FIXTURE.write_text(json.dumps({"about": about, "hashes": hashes}, indent=1, sort_keys=True) + "\n")
         print(f"recorded {len(hashes)} hashes in {FIXTURE.relative_to(ROOT)}")
     else:
         print(json.dumps(hashes, indent=1, sort_keys=True))

@@ -45,7 +45,8 @@ def test_missing_tensor_is_named(text_copy):
 
 def test_wrong_shape_is_named(text_copy):
     tensors = load_file(str(text_copy / "model.safetensors"))
-    tensors["model.layers.3.self_attn.q_proj.weight"] = tensors["model.layers.3.self_attn.q_proj.weight"][:128]
+    key = "model.layers.3.self_attn.q_proj.weight"
+    tensors[key] = tensors[key][:128]
     save_file(tensors, str(text_copy / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(AuditError, match=r"model\.layers\.3\.self_attn\.q_proj\.weight.*shape"):
         open_dir(text_copy)
@@ -81,7 +82,8 @@ def test_wrong_sha256_is_named(text_copy):
 
 def test_a_sums_file_naming_a_missing_file_is_named(text_copy):
     (text_copy / "SHA256SUMS").write_text(f"{'a' * 64}  model-00002-of-00002.safetensors\n")
-    with pytest.raises(AuditError, match=r"model-00002-of-00002\.safetensors listed in SHA256SUMS is missing"):
+    with pytest.raises(AuditError, match=r"model-00002-of-00002\.safetensors listed in SHA256SUMS is "
+                                         r"missing"):
         open_dir(text_copy)
 
 
@@ -120,7 +122,8 @@ def test_fixed_field_with_another_value_is_named(qwen38_ckpts, field, value):
 def test_fixed_rope_type_is_named(qwen38_ckpts):
     raw = copy.deepcopy(qwen38_ckpts.vl.raw_config)
     raw["text_config"]["rope_parameters"]["rope_type"] = "yarn"
-    with pytest.raises(ConfigError, match=r"text_config rope_parameters: field 'rope_type' = 'yarn' is fixed"):
+    with pytest.raises(ConfigError,
+                       match=r"text_config rope_parameters: field 'rope_type' = 'yarn' is fixed"):
         read_config(raw)
 
 

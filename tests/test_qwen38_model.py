@@ -1,4 +1,4 @@
-"""The qwen3_5 engine against transformers 5.24.0 (fp32) on tiny re-randomised checkpoints of both wrappers."""
+"""The qwen3_5 engine against transformers 5.24.0 (fp32) on tiny re-randomised checkpoints, both wrappers."""
 
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def _assert_state_equal(state, ref, length, when):
 
 
 @pytest.mark.parametrize("wrapper,chunk", [("text", 16), ("vl", 33)])
-def test_state_after_prefill_and_decode_equals_transformers_cache(qwen38_ckpts, reference_logits, wrapper, chunk):
+def test_state_after_prefill_and_decode_equals_transformers_cache(qwen38_ckpts, reference_logits, wrapper,
+                                                                   chunk):
     ids, _ = reference_logits
     ck = getattr(qwen38_ckpts, wrapper)
     types = getattr(ck.model.config, "text_config", ck.model.config).layer_types
@@ -124,7 +125,7 @@ def test_state_after_prefill_and_decode_equals_transformers_cache(qwen38_ckpts, 
         out = ck.model(ids[None], use_cache=True)
         after_prefill = _reference_state(out.cache, types, PROMPT)
         nxt = int(out.logits[0, -1].argmax())
-        ck.model(torch.tensor([[nxt]]), cache=out.cache, use_cache=True)      # one decode step (recurrent form)
+        ck.model(torch.tensor([[nxt]]), cache=out.cache, use_cache=True)      # a decode step (recurrent form)
         after_decode = _reference_state(out.cache, types, PROMPT + 1)
     eng = load_engine(ck.path, prefill_chunk=chunk)
     eng.forward(ids)

@@ -99,8 +99,9 @@ def test_text_rope_equals_transformers_mrope():
     from transformers import Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(head_dim=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                             "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                             "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+                                             "mrope_interleaved": True})
     emb = hf.Qwen3_5TextRotaryEmbedding(cfg)
     pos = torch.arange(100, 140)
     x = torch.randn(1, 40, 64)
@@ -128,8 +129,8 @@ def test_attention_equals_sdpa_with_grouped_heads_and_a_cache():
     mask = causal_mask(start, T)
     assert mask.shape == (T, start + T) and mask[0, start] and not mask[0, start + 1]
     out = ops.get("attention")(q, k, v, mask, D ** -0.5)
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, 0), v.repeat_interleave(2, 0),
-                                         attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, 0),
+                                         v.repeat_interleave(2, 0), attn_mask=mask)
     assert rel_err(out, ref.transpose(0, 1)) < 1e-6
 
 

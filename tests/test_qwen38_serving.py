@@ -108,10 +108,10 @@ def test_serve_caps_max_context_at_the_models_positions(qwen38_ckpts):
 
 
 @pytest.mark.parametrize("template,expected", [
-    ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-     "<think>\n{% endif %}", True),
-    ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-     "<think>\n\n</think>\n\n{% endif %}", False),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}", True),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}", False),
     ("{% for m in messages %}<think>{{ m['content'] }}</think>{% endfor %}"
      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", False),
 ])
@@ -129,3 +129,10 @@ def test_config_json_is_read_strictly_by_serve(qwen38_ckpts, tmp_path):
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="hidden_act"):
         serving.serve(ServeArgs(model_id="x", path=path), ServeContext())
+
+
+def test_think_in_prompt_on_the_qwen38_template_fixture():
+    from conftest_qwen38 import ROOT
+
+    template = (ROOT / "tests" / "fixtures" / "qwen38_chat_template.jinja").read_text()
+    assert serving.think_in_prompt(template) is True

@@ -292,6 +292,8 @@ def test_health_and_metrics(server, client):
     assert [s[0] for s in h["load_stages"]] == ["resolve", "weights", "tokenizer", "engine"]
     assert h["memory"][0]["name"] == "replay rows" and h["memory"][0]["bytes"] > 0
     assert h["engine"]["engines"] == 1 and h["engine"]["queue"] == 8 and h["engine"]["max_context"] == CONTEXT
+    log = server.log_text()  # the load progress: a bar for the weights, then the stages
+    assert "weights [" in log and "100.0%" in log and "loaded: engine" in log
     m = httpx.get(server.url + "/metrics", timeout=10)
     assert m.headers["content-type"].startswith("text/plain")
     lines = m.text.splitlines()
@@ -320,3 +322,30 @@ def test_log_lines_and_ledger_hold_no_text(server, client):
     table = subprocess.run([sys.executable, "-m", "tandem_core.cli.main", "ledger", "--ledger", str(server.ledger)],
                            env=server.env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
     assert r.id in table.stdout and table.stdout.splitlines()[0].startswith("time")
+
+
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def xml_client(tmp_path_factory):
+    root = tmp_path_factory.mktemp("xml")
+    srv = Server(write_model(root / "model", [{"when": "[[weather]]", "text": XML_CALL}], tool_format="qwen_xml"),
+                 root / "home")
+    try:
+        srv.wait_ready()
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=30, max_retries=0)
+    finally:
+        srv.stop()
+
+
+def test_qwen_xml_tool_call_streams_typed_argument_deltas(xml_client):
+    chunks = list(xml_client.chat.completions.create(model="replay-test", messages=user("[[weather]]"),
+                                                      tools=[WEATHER], stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather"
+    args = "".join(tc.function.arguments or "" for tc in calls)
+    assert json.loads(args) == {"city": "Paris", "days": 3}  # the integer arrives as a JSON number
+    assert len([tc for tc in calls if tc.function.arguments]) > 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"

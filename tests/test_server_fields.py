@@ -139,6 +139,10 @@ def test_an_unknown_field_is_a_400_naming_it(server, endpoint, name):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required"}, "response_format"),
 ])
 def test_nested_refusals_name_the_path(server, body, param):
     r = post(server, "chat", {**BASE["chat"], **body})

@@ -219,3 +219,28 @@ def test_admission_hands_engines_in_order_and_refuses_a_full_queue():
         assert adm.busy == 0
 
     asyncio.run(main())
+
+
+def test_ledger_rows_and_the_ledger_command(tmp_path, capsys):
+    import argparse
+
+    from tandem_core.cli.ledger_cmd import run_ledger
+    from tandem_core.cli.main import CliError
+    from tandem_core.server.ledger import Ledger, UsageRow
+
+    with pytest.raises(CliError, match="no ledger"):
+        run_ledger(argparse.Namespace(ledger=str(tmp_path / "none.sqlite"), last=5, json=False))
+    led = Ledger(tmp_path / "l.sqlite")
+    for i in range(3):
+        led.write(UsageRow(1.7e9 + i, f"req-{i}", "m", "chat", 10 + i, 5, "stop", 0.1, 20.0, 0.0, 1.0, 5,
+                           32000 if i == 2 else None, i % 2 == 0))
+    rows = led.last(2)
+    assert [r.request_id for r in rows] == ["req-1", "req-2"] and rows[1].stream is True
+    assert rows[1].capped_from == 32000 and rows[0].ttft_s == pytest.approx(0.1)
+    led.close()
+    run_ledger(argparse.Namespace(ledger=str(tmp_path / "l.sqlite"), last=2, json=True))
+    out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["request_id"] for r in out] == ["req-1", "req-2"]
+    run_ledger(argparse.Namespace(ledger=str(tmp_path / "l.sqlite"), last=5, json=False))
+    table = capsys.readouterr().out
+    assert "req-0" in table and "capped to 5" in table

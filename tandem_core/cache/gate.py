@@ -149,15 +149,6 @@ class MemoryGate:
             return self.peak - self.base - self.held()
         return int(self._measure())
 
-    def possible(self, prompt_len: int, start: int = 0) -> None:
-        """Raise ``MemoryGateError`` now if the prompt cannot fit even with every cache given back."""
-        need = self.need(prompt_len, start)
-        have = self.available()
-        releasable = self.held()
-        if have + releasable < need.total:
-            self.refused += 1
-            raise MemoryGateError(prompt_len, need, have, releasable, self.peak)
-
     def check(self, prompt_len: int, start: int = 0) -> GateResult:
         """Admit a prefill, releasing caches cheapest first if needed; ``MemoryGateError`` if it cannot fit."""
         need = self.need(prompt_len, start)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from tandem_core.cache.base import (
-    GEN_END, GRID, PROMPT_END, RESTORED, Anchor, CacheContext, CostModel, PrefillStart, Snapshot, TierStats,
+    GEN_END, GRID, RESTORED, Anchor, CacheContext, CostModel, PrefillStart, Snapshot, TierStats,
     as_tokens, clone_sections, common_prefix,
 )
 from tandem_core.state import ModelState

@@ -92,7 +92,8 @@ class CacheStack:
                 return plan, found
             # something was given back: the plan may have lost its source, plan again
 
-    def _keep_displaced(self, engine: Engine, plan: ResumePlan) -> None:
+    def _keep_displaced(self, engine: Engine, plan: ResumePlan, found: tuple[SnapshotTier, Hit] | None) -> None:
+        """Offer the resident session to ``lower[0]`` when the new prompt loses enough of it."""
         state = engine.state
         lost = self.resident.length - plan.common
         if not self.lower or not self.keep_displaced or lost < self.keep_displaced:
@@ -100,9 +101,14 @@ class CacheStack:
         if state.length != self.resident.length:
             return
         kinds = (PROMPT_END, GEN_END, RESTORED)
+        anchors = [a for a in self.resident.anchors() if a.kind in kinds and 0 < a.position < state.length]
+        if self.gate is not None:
+            start = found[1].start if found else plan.start
+            room = self.gate.available() - self.gate.need(plan.total, start).total
+            if state.nbytes + sum(a.nbytes for a in anchors) > room:
+                return
         first = self.lower[0]
         if isinstance(first, SnapshotStore):
-            anchors = [a for a in self.resident.anchors() if a.kind in kinds and a.position < state.length]
             first.put(self.resident.tokens, state, anchors)
         else:
             first.offer(self.resident.snapshot(state, kinds=kinds))
@@ -117,14 +123,13 @@ class CacheStack:
         total = len(toks)
         if total == 0:
             raise ValueError("prefill of an empty prompt")
-        first = self.resident.plan(toks, engine.state)
-        if self.gate is not None:
-            self.gate.possible(total, first.start)      # refused before anything is touched
-        # a displaced session is kept next, so the gate sees (and may give back) its bytes
-        self._keep_displaced(engine, first)
         where: PrefillStart | None = None
+        displaced = False
         while where is None:
             plan, found = self._plan(engine, toks)
+            if not displaced:       # before the live state is touched; only into room the prompt leaves
+                displaced = True
+                self._keep_displaced(engine, plan, found)
             if found is None:
                 where = self.resident.apply(plan, engine.state, reset=engine.reset)
                 if not plan.cold:

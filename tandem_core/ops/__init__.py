@@ -77,7 +77,9 @@ def reference(name: str) -> Callable[..., Any]:
 
 
 def register(name: str, device_type: str, fn: Callable[..., Any]) -> None:
-    """Use ``fn`` for op ``name`` on devices of ``device_type`` (``"cuda"``); it keeps the reference's contract."""
+    """Use ``fn`` for op ``name`` on devices of ``device_type`` (``"cuda"``).
+
+    ``fn`` keeps the reference's contract (signature, shapes, what it mutates)."""
     if name not in REFERENCES:
         raise KeyError(f"cannot register a kernel for unknown op {name!r}; ops: {', '.join(names())}")
     with _lock:
@@ -96,7 +98,7 @@ def kernels() -> dict[tuple[str, str], Callable[..., Any]]:
 
 
 def get(name: str, device: Any = None) -> Callable[..., Any]:
-    """The kernel for op ``name`` on ``device`` (a ``torch.device``, ``"cuda:0"``, ``"cpu"``), else its reference."""
+    """The kernel for op ``name`` on ``device`` (a ``torch.device`` or ``"cuda:0"``), else its reference."""
     with _lock:
         fn = _kernels.get((name, _device_type(device)))
     return fn if fn is not None else reference(name)

@@ -43,6 +43,7 @@ def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
 def softmax(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     m = xf.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # a fully masked row gives 0/0 -> nan, as torch
+    # a fully masked row: exp(-inf - 0) = 0 everywhere, 0/0 -> nan, as torch
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(xf - m)
     return e / e.sum(dim=-1, keepdim=True)

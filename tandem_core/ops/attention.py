@@ -27,7 +27,8 @@ def causal_mask(start: int, T: int, device: torch.device | str | None = None) ->
     return cols <= rows
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              scale: float) -> torch.Tensor:
     T, hq, D = q.shape
     hkv, S, _ = k.shape
     if hq % hkv:

@@ -84,7 +84,8 @@ def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     system = eye + A
     W = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
-    Kc = torch.linalg.solve_triangular(system, (beta * c.exp())[..., None] * k, upper=False, unitriangular=True)
+    Kc = torch.linalg.solve_triangular(system, (beta * c.exp())[..., None] * k, upper=False,
+                                       unitriangular=True)
     qk = (q @ k.transpose(-1, -2)) * rel                       # qk: [H, N, C, C]
     q_in = q * c.exp()[..., None]                              # reads of the chunk's starting state
     to_end = (c[..., -1:] - c).exp()[..., None]                # to_end: [H, N, C, 1] decay to the chunk's end

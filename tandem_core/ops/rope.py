@@ -22,14 +22,14 @@ def inv_freq(rotary_dim: int, theta: float, device: torch.device | str | None = 
 
 
 def cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # positions: [T] int -> angles [T, rotary_dim/2] -> cos, sin [T, rotary_dim] (both halves share a frequency)
+    # positions: [T] int -> angles [T, rotary_dim/2] -> cos, sin [T, rotary_dim] (halves share a frequency)
     angles = positions.to(freqs.device).float()[:, None] * freqs[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos(), emb.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x: [T, H, D]``; ``cos, sin: [T, R]`` with ``R <= D`` even. Computed in fp32, returned in x's dtype."""
+    """``x: [T, H, D]``; ``cos, sin: [T, R]``, ``R <= D`` even. Computed in fp32, returned in x's dtype."""
     R = cos.shape[-1]
     xf = x.float()
     rot, rest = xf[..., :R], xf[..., R:]

@@ -194,6 +194,31 @@ def _wait_line(state: ServerState, ticket: Ticket) -> str:
     return f"waiting for the engine: {pos} in line, {about}"
 
 
+class _GuardedStream(StreamingResponse):
+    """A streamed answer that gives its ticket back if the body never starts (the client left first)."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_unstarted: Callable[[], None], **kw: Any) -> None:
+        self.started = False
+
+        async def tracked() -> AsyncIterator[bytes]:
+            self.started = True
+            try:
+                async for part in body:
+                    yield part
+            finally:
+                await body.aclose()  # type: ignore[attr-defined]
+
+        super().__init__(tracked(), **kw)
+        self._on_unstarted = on_unstarted
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.started:
+                self._on_unstarted()
+
+
 class _BearerAuth:
     """Plain ASGI middleware: ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <key>``; ``/health`` does not."""
 
@@ -277,8 +302,9 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
         try:
             if job.stream:
                 slot = await _wait_slot(request, ticket, options.wait_comment_s)
-                return StreamingResponse(streamed(job, ticket, slot, t_queue), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
+                return _GuardedStream(streamed(job, ticket, slot, t_queue), lambda: state.admission.leave(ticket),
+                                      media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
             slot = await _wait_slot(request, ticket, None)
             assert slot is not None
         except ClientGone:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Sequence
@@ -178,15 +177,22 @@ def find_price_file(model: str, profile: str, device: str, dirs: Iterable[str | 
 
 def _pav(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Weighted isotonic (non-decreasing) regression by pool-adjacent-violators. [M] -> [M]."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
+    if len(values) < 2 or bool(np.all(values[1:] >= values[:-1])):
+        return values
+    means: list[float] = []
+    wsum: list[float] = []
+    sizes: list[int] = []
     for v, w in zip(values.tolist(), weights.tolist()):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            v2, w2, c2 = blocks.pop()
-            v1, w1, c1 = blocks[-1]
-            tw = w1 + w2
-            blocks[-1] = [(v1 * w1 + v2 * w2) / tw, tw, c1 + c2]
-    return np.concatenate([np.full(c, v) for v, _, c in blocks]) if blocks else values.copy()
+        means.append(v)
+        wsum.append(w)
+        sizes.append(1)
+        while len(means) > 1 and means[-2] > means[-1]:
+            v2, w2, c2 = means.pop(), wsum.pop(), sizes.pop()
+            tw = wsum[-1] + w2
+            means[-1] = (means[-1] * wsum[-1] + v2 * w2) / tw
+            wsum[-1] = tw
+            sizes[-1] += c2
+    return np.repeat(np.asarray(means), sizes)
 
 
 class OnlinePrices:
@@ -205,38 +211,71 @@ class OnlinePrices:
     def __init__(self, window: int = 64, prior_slope: float = 0.05) -> None:
         self.window = window
         self.prior_slope = prior_slope
-        self._samples: dict[int, deque[tuple[float, float]]] = {}
-        self._fits: dict[int, tuple[float, float | None]] = {}  # width -> (intercept, slope or None)
+        self._buf: dict[int, np.ndarray] = {}       # width -> [window, 2] (context, ms) ring
+        self._count: dict[int, int] = {}            # width -> samples seen
+        self._fits: dict[int, tuple[float, float, float]] = {}  # width -> (intercept, slope or nan, median L)
+        self._dirty: set[int] = set()
         self._version = 0
+        self._lines: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._cache: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     def observe(self, n: int, context_len: int, ms: float) -> None:
         if n < 1 or not math.isfinite(ms) or ms <= 0:
             return
-        buf = self._samples.setdefault(int(n), deque(maxlen=self.window))
-        buf.append((float(context_len), float(ms)))
-        self._fits[int(n)] = self._fit(buf)
+        n = int(n)
+        buf = self._buf.get(n)
+        if buf is None:
+            buf = self._buf[n] = np.zeros((self.window, 2))
+            self._count[n] = 0
+        buf[self._count[n] % self.window] = (float(context_len), float(ms))
+        self._count[n] += 1
+        self._dirty.add(n)
         self._version += 1
 
     @property
     def widths(self) -> tuple[int, ...]:
         """The widths measured so far."""
-        return tuple(sorted(self._samples))
+        return tuple(sorted(self._buf))
 
-    @staticmethod
-    def _fit(buf: deque[tuple[float, float]]) -> tuple[float, float | None]:
-        arr = np.asarray(buf, dtype=np.float64)
-        L, y = arr[:, 0], arr[:, 1]
-        span = float(L.max() - L.min())
-        if len(arr) < 3 or span < 0.05 * max(float(L.mean()), 1.0):
-            return float(np.median(y)), None
-        i, j = np.triu_indices(len(arr), 1)
-        dL = L[j] - L[i]
-        ok = np.abs(dL) > 1e-9
-        if ok.sum() < 2:
-            return float(np.median(y)), None
-        slope = max(float(np.median((y[j] - y[i])[ok] / dL[ok])), 0.0)
-        return float(np.median(y - slope * L)), slope
+    def samples(self, n: int) -> int:
+        """Samples of width ``n`` held (at most ``window``)."""
+        return min(self._count.get(n, 0), self.window)
+
+    def _fit(self, n: int) -> tuple[float, float, float]:
+        """Width ``n``'s line: a Theil-Sen-style slope (the median of the slopes between the samples of the
+        lower and the upper half of the contexts) and the median intercept; nan slope when the samples'
+        contexts are too close together to tell."""
+        m = self.samples(n)
+        arr = self._buf[n][:m]
+        order = np.argsort(arr[:, 0])
+        L, y = arr[order, 0], arr[order, 1]
+        Lmed = float(L[m // 2])
+        h = m // 2
+        if m < 3 or L[-1] - L[0] < 0.05 * max(Lmed, 1.0):
+            return float(np.median(y)), math.nan, Lmed
+        dL = L[m - h:] - L[:h]
+        ok = dL > 1e-9
+        if not ok.any():
+            return float(np.median(y)), math.nan, Lmed
+        slope = max(float(np.median((y[m - h:] - y[:h])[ok] / dL[ok])), 0.0)
+        return float(np.median(y - slope * L)), slope, Lmed
+
+    def _line_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(widths, intercepts at L = 0, slopes, sample counts), the slopes filled in; refit per observation."""
+        if self._lines is None or self._lines[0] != self._version:
+            for w in self._dirty:
+                self._fits[w] = self._fit(w)
+            self._dirty.clear()
+            widths = sorted(self._fits)
+            a, b, Lmed = np.asarray([self._fits[w] for w in widths], dtype=np.float64).T
+            known = ~np.isnan(b)
+            shared = float(np.median(b[known])) if known.any() else 0.0
+            # a width without its own slope: its median price sits at its samples' median context
+            a = np.where(known, a, a - shared * Lmed)
+            b = np.where(known, b, shared)
+            counts = np.minimum(np.asarray([self._count[w] for w in widths], dtype=np.float64), self.window)
+            self._lines = (self._version, np.asarray(widths, dtype=np.float64), a, b, counts)
+        return self._lines[1:]
 
     def curve(self, context_len: int, n_max: int) -> np.ndarray:
         """[n_max] float64: the estimated ms of a verify of ``n`` rows (index ``n - 1``) at ``context_len``."""
@@ -245,23 +284,11 @@ class OnlinePrices:
             return self._cache[1]
         n = np.arange(1, n_max + 1, dtype=np.float64)
         prior = 1.0 + self.prior_slope * (n - 1.0)
-        if not self._fits:
+        if not self._buf:
             out = prior
         else:
-            widths = sorted(self._fits)
-            slopes = [s for _, s in (self._fits[w] for w in widths) if s is not None]
-            shared = float(np.median(slopes)) if slopes else 0.0
-            L = float(context_len)
-            est = []
-            for w in widths:
-                a, b = self._fits[w]
-                if b is None:  # intercept is the median at the samples' own context: move it along the shared slope
-                    Lmed = float(np.median([s[0] for s in self._samples[w]]))
-                    est.append(a + shared * (L - Lmed))
-                else:
-                    est.append(a + b * L)
-            wv = np.asarray(widths, dtype=np.float64)
-            ev = _pav(np.maximum(np.asarray(est), 1e-6), np.asarray([len(self._samples[w]) for w in widths], float))
+            wv, a, b, counts = self._line_arrays()
+            ev = _pav(np.maximum(a + b * float(context_len), 1e-6), counts)
             out = np.interp(n, wv, ev)
             lo = n < wv[0]
             out[lo] = ev[0] * prior[lo] / (1.0 + self.prior_slope * (wv[0] - 1.0))

@@ -55,6 +55,7 @@ VERSION = 1
 SEP = 0xFFFFFFFF
 _ALIGN = 64
 _CHUNK = 1 << 20
+_MAX_KEY = (1 << 64) - 1
 
 
 class CorpusError(ValueError):
@@ -213,7 +214,8 @@ class CorpusStore:
                 raise CorpusError(f"{p}: section {name!r} is malformed ({exc})") from exc
             if off < 0 or count < 0 or off + count * dt.itemsize > payload:
                 raise CorpusError(f"{p}: section {name!r} lies outside the payload")
-            arrays[name] = (np.memmap(p, dtype=dt, mode="r", offset=start + off, shape=(count,))
+            # a plain ndarray view of the mapping: indexing it costs what an in-memory array's does
+            arrays[name] = (np.memmap(p, dtype=dt, mode="r", offset=start + off, shape=(count,)).view(np.ndarray)
                             if count else np.zeros(0, dtype=dt))
         tables: dict[int, _Order] = {}
         for k in header["orders"]:
@@ -233,11 +235,12 @@ class CorpusStore:
             if key is None:
                 continue
             t = self._tables[k]
-            q = np.uint64(key)
-            lo = int(np.searchsorted(t.keys, q, side="left"))
-            if lo >= len(t.keys) or t.keys[lo] != q:
+            if key == _MAX_KEY:
+                lo, hi = int(np.searchsorted(t.keys, key)), len(t.keys)
+            else:
+                lo, hi = np.searchsorted(t.keys, np.array([key, key + 1], dtype=np.uint64)).tolist()
+            if lo == hi:
                 continue
-            hi = int(np.searchsorted(t.keys, q, side="right"))
             want = list(tail[-k:])
             for e in t.pos[max(lo, hi - 4 * limit):hi][::-1].tolist():
                 if e not in seen and self.tokens[e - k:e].tolist() == want:

@@ -63,7 +63,7 @@ class LookupDrafter:
     def __init__(self, target: TargetInfo | None = None, *, corpus: str | Path | None = None,
                  config: LookupConfig | None = None, verify_corpus: bool = True) -> None:
         self.config = config or LookupConfig()
-        path = corpus if corpus is not None else (str(SETTINGS.get("LOOKUP_CORPUS")) or None)
+        path = corpus if corpus is not None else _corpus_setting()
         self.corpus: CorpusStore | None = None
         if path:
             self.corpus = CorpusStore.open(Path(path).expanduser(), target.tokenizer if target else None,
@@ -165,15 +165,18 @@ class LookupDrafter:
         """The trie of ``conts`` (continuation -> weight), read best-first on path probability.
 
         The trie is never built whole: a node is the group of continuations sharing its
-        path, split by next token only when the node is taken; a group of one
-        continuation is a fixed chain, emitted in a tight loop while it beats the heap.
+        path. Where every continuation of a group agrees and none ends, the path is a
+        fixed chain with one conditional probability (``W / (W + alpha)``), emitted in a
+        tight loop while it beats the heap; the group splits by next token only where
+        its continuations part or some end.
         """
         alpha, floor = self.config.alpha, self.config.min_prob
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[float] = []
         Group = list[tuple[tuple[int, ...], float]]
-        heap: list[tuple[float, int, int, float, int, Group, int]] = []  # (-path, tie, token, p, parent, group, depth)
+        # (-path, tie, token, p, parent, group, depth of token, group weight)
+        heap: list[tuple[float, int, int, float, int, Group, int, float]] = []
         tick = 0
 
         def expand(group: Group, depth: int, parent: int, path: float) -> None:
@@ -194,35 +197,65 @@ class LookupDrafter:
                 p = w / total
                 if path * p >= floor:
                     tick += 1
-                    heapq.heappush(heap, (-path * p, tick, tok, p, parent, sub, depth))
+                    heapq.heappush(heap, (-path * p, tick, tok, p, parent, sub, depth, w))
 
         expand(list(conts.items()), 0, -1, 1.0)
         while heap and len(tokens) < max_nodes:
-            neg, _, tok, p, parent, group, depth = heapq.heappop(heap)
+            neg, _, tok, p, parent, group, depth, weight = heapq.heappop(heap)
             path = -neg
             i = len(tokens)
             tokens.append(tok)
             parents.append(parent)
             probs.append(p)
-            if len(group) > 1:
-                expand(group, depth + 1, i, path)
-                continue
-            cont, w = group[0]
-            pc = w / (w + alpha)
             d = depth + 1
-            while d < len(cont) and len(tokens) < max_nodes:
+            end = _shared_end(group, d)
+            pc = weight / (weight + alpha)
+            first = group[0][0]
+            while d < end and len(tokens) < max_nodes:
                 q = path * pc
                 if q < floor:
                     break
                 if heap and q < -heap[0][0]:
                     tick += 1
-                    heapq.heappush(heap, (-q, tick, cont[d], pc, i, group, d))
+                    heapq.heappush(heap, (-q, tick, first[d], pc, i, group, d, weight))
                     break
-                tokens.append(cont[d])
+                tokens.append(first[d])
                 parents.append(i)
                 probs.append(pc)
                 i, path, d = len(tokens) - 1, q, d + 1
+            else:
+                if len(tokens) < max_nodes:
+                    expand(group, d, i, path)
         return Proposal(tuple(tokens), tuple(parents), tuple(probs), self.name)
+
+
+def _shared_end(group: list[tuple[tuple[int, ...], float]], start: int) -> int:
+    """The first index ``>= start`` where the group's continuations part or one of them ends."""
+    m = min(len(c) for c, _ in group)
+    if len(group) == 1 or m <= start:
+        return max(m, start)
+    first = group[0][0]
+    rest = [c for c, _ in group[1:]]
+    if all(c[start:m] == first[start:m] for c in rest):
+        return m
+    lo, hi = start, m  # [start, lo) agrees everywhere; [start, hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if all(c[start:mid] == first[start:mid] for c in rest):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _corpus_setting() -> str | None:
+    """``TANDEM_LOOKUP_CORPUS`` (declared here too, so the drafter works without plugin discovery)."""
+    from tandem_drafters.plugin import SETTINGS_DECLARED
+
+    for s in SETTINGS_DECLARED:
+        if s.name not in SETTINGS:
+            SETTINGS.declare(s)
+    return str(SETTINGS.get("LOOKUP_CORPUS")) or None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

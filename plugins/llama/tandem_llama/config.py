@@ -203,9 +203,9 @@ def config_of(gf: Any) -> LlamaConfig:
 def inv_freq(cfg: LlamaConfig) -> "torch.Tensor":
     """The rotary inverse frequencies ``[head_dim / 2]`` (fp32) after the config's scaling (transformers' formulas)."""
 
-    dim = cfg.head_dim
-    base = cfg.rope_theta
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    from tandem_core.ops.rope import inv_freq as base_inv_freq
+
+    inv = base_inv_freq(cfg.head_dim, cfg.rope_theta)
     sc = cfg.rope_scaling
     if sc is None:
         return inv

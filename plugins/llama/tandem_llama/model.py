@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem_core.engine import Capabilities, Manifest, MemoryPart
+from tandem_core.ops.attention import causal_mask
 from tandem_core.state import ModelState, View
 
 from tandem_llama.config import LlamaConfig, inv_freq
@@ -133,7 +134,7 @@ class LlamaEngine:
         sin = self.sin[n:end, None, :]
         mask = None
         if t > 1:  # causal over [0, end): row i (position n+i) sees keys 0..n+i
-            mask = torch.ones(t, end, dtype=torch.bool).tril_(n).repeat(g, 1)   # [g*T, end]
+            mask = causal_mask(n, t).repeat(g, 1)                     # [g*T, end]
         x = w.embed.rows(ids)                                       # [T, H]
         for l, lw in enumerate(w.layers):
             h = F.rms_norm(x, hsize, lw.attn_norm, eps)
@@ -145,7 +146,11 @@ class LlamaEngine:
             vc[:, n:end].copy_(qkv[:, q_dim + kv_dim:].view(t, nkv, hd).transpose(0, 1))
             # grouped queries: kv head j serves q heads j*g .. j*g+g-1 -> [nkv, g*T, hd]
             q = qk[:, :nh].reshape(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
-            a = F.scaled_dot_product_attention(q, kc[:, :end], vc[:, :end], attn_mask=mask, scale=self._scale)
+            if mask is None:  # one query row per head: plain batched matmuls beat SDPA's setup on a CPU
+                s = torch.bmm(q, kc[:, :end].transpose(1, 2)).mul_(self._scale)      # [nkv, g, end]
+                a = torch.bmm(torch.softmax(s, dim=-1), vc[:, :end])                  # [nkv, g, hd]
+            else:
+                a = F.scaled_dot_product_attention(q, kc[:, :end], vc[:, :end], attn_mask=mask, scale=self._scale)
             a = a.reshape(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, q_dim)     # [T, nh*hd]
             x = x + lw.o.matmul(a)
             h = F.rms_norm(x, hsize, lw.mlp_norm, eps)

@@ -153,7 +153,8 @@ def _layer_types(text: Mapping[str, Any], n_layers: int, where: str) -> tuple[st
         interval = _int(text, "full_attention_interval", where, default=4)
         return tuple(LINEAR if (i + 1) % interval else FULL for i in range(n_layers))
     if not isinstance(types, (list, tuple)) or len(types) != n_layers:
-        raise ConfigError(f"{where}: field 'layer_types' must list one type for each of the {n_layers} layers")
+        raise ConfigError(f"{where}: field 'layer_types' must list one type for each of the "
+                          f"{n_layers} layers")
     for i, t in enumerate(types):
         if t not in LAYER_KINDS:
             raise ConfigError(f"{where}: field 'layer_types'[{i}] = {t!r} is not one of {list(LAYER_KINDS)}")
@@ -179,8 +180,8 @@ def read_config(raw: Mapping[str, Any]) -> Qwen38Config:
     partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
     if "partial_rotary_factor" in rope and "partial_rotary_factor" in text and \
             float(text["partial_rotary_factor"]) != partial:
-        raise ConfigError(f"{where}: field 'partial_rotary_factor' = {text['partial_rotary_factor']!r} disagrees "
-                          f"with rope_parameters' {partial!r}")
+        raise ConfigError(f"{where}: field 'partial_rotary_factor' = {text['partial_rotary_factor']!r} "
+                          f"disagrees with rope_parameters' {partial!r}")
 
     n_layers = _int(text, "num_hidden_layers", where)
     n_heads = _int(text, "num_attention_heads", where)
@@ -197,13 +198,14 @@ def read_config(raw: Mapping[str, Any]) -> Qwen38Config:
                           f"linear_num_key_heads = {k_heads}")
     rotary = int(head_dim * partial)
     if not 0 < partial <= 1 or rotary % 2:
-        raise ConfigError(f"{where}: field 'partial_rotary_factor' = {partial!r} gives {rotary} rotary channels "
-                          f"of head_dim {head_dim} (needs an even number, at least 2)")
+        raise ConfigError(f"{where}: field 'partial_rotary_factor' = {partial!r} gives {rotary} rotary "
+                          f"channels of head_dim {head_dim} (needs an even number, at least 2)")
 
     tie = outer.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     if not isinstance(tie, bool):
         raise ConfigError(f"config.json: field 'tie_word_embeddings' = {tie!r} is not a boolean")
-    archs = raw.get("architectures") or ["Qwen3_5ForConditionalGeneration" if outer_raw else "Qwen3_5ForCausalLM"]
+    default_arch = "Qwen3_5ForConditionalGeneration" if outer_raw else "Qwen3_5ForCausalLM"
+    archs = raw.get("architectures") or [default_arch]
     section = rope.get("mrope_section", ())
     return Qwen38Config(
         architecture=str(archs[0]),

@@ -144,6 +144,7 @@ class Qwen38Engine:
                                  max_tree=0, hidden_layers=(), device=str(dev), dtype=weights.dtype)
 
     # -- hot verbs ------------------------------------------------------------------------------
+    @torch.no_grad()
     def forward(self, tokens: torch.Tensor | Sequence[int], *, all_logits: bool = False) -> torch.Tensor:
         """Append ``tokens`` ([T] int64); return fp32 logits ``[T, V]`` (``all_logits``) or ``[1, V]`` (last).
 
@@ -177,7 +178,7 @@ class Qwen38Engine:
         return logits.argmax(dim=-1)
 
     def hidden_post_norm(self) -> torch.Tensor:
-        """The last forward's hidden states after the final norm, ``[T, H]`` (valid until the next forward)."""
+        """The last forward's hidden states after the final norm, ``[T, H]`` (valid until the next one)."""
         if self._hidden_cat is None:
             if not self._hidden:
                 raise RuntimeError("hidden_post_norm: no forward has run since the last reset")
@@ -186,7 +187,7 @@ class Qwen38Engine:
 
     @property
     def state(self) -> ModelState:
-        """The live state over the engine's own buffers: ``gdn.S``, ``gdn.conv`` sections; ``K``, ``V`` views."""
+        """The live state over the engine's own buffers (sections gdn.S, gdn.conv; views K, V)."""
         return self._state
 
     def reset(self) -> None:
@@ -225,7 +226,7 @@ class Qwen38Engine:
         b = w.in_b.matmul(x)                                                    # b: [T, Hv]
         a = w.in_a.matmul(x)                                                    # a: [T, Hv]
 
-        qkv, tail = op["causal_conv"](qkv, self._conv[slot], w.conv)            # silu(conv), new tail [C, K-1]
+        qkv, tail = op["causal_conv"](qkv, self._conv[slot], w.conv)            # silu(conv); tail [C, K-1]
         self._conv[slot].copy_(tail)
         q, k, v = torch.split(qkv, [cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
         q = op["l2_norm"](q.reshape(T, hk, dk))                                 # q: [T, Hk, Dk] fp32
@@ -248,7 +249,7 @@ class Qwen38Engine:
         cfg, op = self.cfg, self._ops
         T, hq, hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qg = w.q.matmul(x).view(T, hq, 2 * D)                                   # qg: [T, Hq, 2D]
-        q, gate = qg[..., :D], qg[..., D:].reshape(T, hq * D)                   # q: [T, Hq, D]; gate: [T, Hq*D]
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, hq * D)                   # [T, Hq, D], [T, Hq*D]
         k = w.k.matmul(x).view(T, hkv, D)                                       # k: [T, Hkv, D]
         v = w.v.matmul(x).view(T, hkv, D)                                       # v: [T, Hkv, D]
         q = op["rope"](op["rms_norm_1p"](q, w.q_norm, cfg.rms_norm_eps), cos, sin)
@@ -281,7 +282,7 @@ class Qwen38Engine:
         settings = {"dtype": self.w.dtype, "prefill_chunk": self.prefill_chunk, "gdn_chunk": self.gdn_chunk,
                     "device": self.device.type}
         extra = {"arch": "qwen3_5", "weights": self.w.identity, "config": asdict(self.cfg),
-                 "ops": {name: f"{fn.__module__}:{fn.__qualname__}" for name, fn in sorted(self._ops.items())}}
+                 "ops": {n: f"{fn.__module__}:{fn.__qualname__}" for n, fn in sorted(self._ops.items())}}
         return Manifest(tuple(sorted(str(f) for f in files)), settings, extra)
 
     def memory_parts(self) -> list[MemoryPart]:

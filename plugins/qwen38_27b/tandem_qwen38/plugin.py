@@ -22,8 +22,9 @@ ARCH = Arch(
 
 SETTINGS_DECLARED = (
     Setting("QWEN38_PREFILL_CHUNK", 512, "tandem_qwen38.serving",
-            "tokens per prefill chunk of the qwen3_5 engine (a long prompt runs through every layer this many "
-            "tokens at a time; the result equals one full forward within fp32 rounding)", int, arithmetic=True),
+            "tokens per prefill chunk of the qwen3_5 engine (a long prompt runs through every layer this "
+            "many tokens at a time; the result equals one full forward within fp32 rounding)",
+            int, arithmetic=True),
 )
 
 

@@ -31,7 +31,8 @@ class ServeError(RuntimeError):
     """The checkpoint directory cannot be served; the message names the file."""
 
 
-def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int, prefill_chunk: int) -> Qwen38Engine:
+def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int,
+                 prefill_chunk: int) -> Qwen38Engine:
     return Qwen38Engine(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk)
 
 
@@ -123,8 +124,10 @@ def think_in_prompt(template: str) -> bool:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda value, indent=None, **kw: json.dumps(value, indent=indent, ensure_ascii=False)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda value, indent=None, **kw: json.dumps(value, indent=indent,
+                                                                      ensure_ascii=False)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: "2025-01-01"
     try:

@@ -33,7 +33,8 @@ from tandem_core.linear import Linear, make_linear
 from tandem_qwen38.config import Qwen38Config
 
 __all__ = [
-    "LAYOUT", "DTYPES", "normalise_dtype", "expected_tensors", "Checkpoint", "open_checkpoint", "weights_identity",
+    "LAYOUT", "DTYPES", "normalise_dtype", "expected_tensors", "Checkpoint", "open_checkpoint",
+    "weights_identity",
     "GDNWeights", "AttentionWeights", "MLPWeights", "LayerWeights", "Qwen38Weights", "build_weights",
     "load_weights",
 ]
@@ -128,7 +129,7 @@ class Checkpoint:
 
 def weights_identity(reader: SafetensorsCheckpoint) -> str:
     """sha256 of what identifies the weights: the ``SHA256SUMS`` manifest when the pack has one, else every
-    tensor's name, dtype, shape and byte range with each file's name and size (cheap: no tensor bytes read)."""
+    tensor's name, dtype, shape and byte range with each file's name and size (no tensor bytes read)."""
     h = hashlib.sha256()
     sums = read_sums(reader.dir)
     if sums is not None:
@@ -144,7 +145,7 @@ def weights_identity(reader: SafetensorsCheckpoint) -> str:
 
 
 def open_checkpoint(directory: str | Path, cfg: Qwen38Config) -> Checkpoint:
-    """Read the headers, resolve the layout, audit. Nothing is loaded; every failure names its tensor or file."""
+    """Read the headers, resolve the layout, audit. Nothing is loaded; a failure names its tensor or file."""
     reader = SafetensorsCheckpoint(directory)
     try:
         layout = LAYOUT.resolve(reader.keys(), cfg.tie_word_embeddings)
@@ -305,7 +306,8 @@ def build_weights(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor
             a = p + "self_attn."
             mixer = AttentionWeights(
                 q=linear(a + "q_proj.weight"), k=linear(a + "k_proj.weight"), v=linear(a + "v_proj.weight"),
-                o=linear(a + "o_proj.weight"), q_norm=vec(a + "q_norm.weight"), k_norm=vec(a + "k_norm.weight"),
+                o=linear(a + "o_proj.weight"), q_norm=vec(a + "q_norm.weight"),
+                k_norm=vec(a + "k_norm.weight"),
             )
         post_norm = vec(p + "post_attention_layernorm.weight")
         mlp = MLPWeights(gate=linear(p + "mlp.gate_proj.weight"), up=linear(p + "mlp.up_proj.weight"),
