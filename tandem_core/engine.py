@@ -11,8 +11,7 @@ Protocols here are split by capability:
 - ``TreeEngine`` (``caps.tree``): speculation verbs. ``forward_tree`` verifies a
   token tree on top of the sequence without committing; ``commit_tree(path)``
   keeps one root-to-leaf path; ``rollback_to(n)`` forgets tokens past ``n``.
-- ``ResumableEngine`` (``caps.resume``): cache verbs. ``resume_at(n)``,
-  ``settle()``, ``discard_pending()``, ``trim_pending(n)``.
+- ``ResumableEngine`` (``caps.resume``): ``resume_at(n, sections)`` for the caches.
 """
 
 from __future__ import annotations
@@ -129,36 +128,64 @@ class Engine(Protocol):
 
 
 class TreeOut(NamedTuple):
-    """A verified tree: ``logits[n]`` is the model's next-token distribution after node ``n``."""
+    """A verified tree: ``logits[i]`` is the model's next-token distribution after node ``i``
+    (on the path root..i). The tensor is new; the caller owns it."""
 
     logits: torch.Tensor  # [N, V]
 
 
 @runtime_checkable
 class TreeEngine(Engine, Protocol):
+    """Speculation verbs (``caps.tree``). Row invariance: ``logits[i]`` of a verified node equals, bit for
+    bit, the row plain decode computes at that position after committing the same path.
+
+    Lifecycle of a round: ``forward_tree`` (pending tree, nothing committed) -> ``commit_tree(path)``
+    (the path's rows and recurrent state become the sequence's next tokens; the rest of the tree is
+    dropped) -> tokens may still be taken back with ``trim_pending`` until ``settle()``.
+    """
+
     def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> TreeOut:
-        """Verify a token tree on top of the sequence (parents[i] < i, -1 for the root's children)."""
+        """Verify ``tokens`` ([N] int64) as a tree on top of the sequence. ``parents[i] < i`` is the
+        parent's index, ``-1`` for a child of the last committed token. Node ``i`` sits at position
+        ``kv.length + depth(i)``. Leaves the committed sequence unchanged; a later ``forward_tree`` or
+        ``discard_pending`` drops this tree. Refuses more than ``caps.max_tree`` nodes."""
         ...
 
     def forward_block(self, tokens: torch.Tensor) -> TreeOut:
-        """Verify a chain (a tree where each node's parent is the one before)."""
+        """Verify a chain (node ``i``'s parent is ``i - 1``): ``forward_tree`` with those parents."""
         ...
 
     def commit_tree(self, path: Sequence[int]) -> None:
-        """Keep the nodes of ``path`` (indices into the last verified tree) as the sequence's next tokens."""
+        """Append the nodes of ``path`` (indices into the last verified tree, root to leaf: the first's
+        parent is -1, each next one's parent is the one before) to the sequence: their KV rows and the
+        recurrent state after the last of them. A rejected branch leaves no trace."""
         ...
 
     def rollback_to(self, n: int) -> None:
-        """Forget every token past ``n``."""
+        """Forget every token past ``n``. An engine with recurrent state can go back only within the
+        pending tokens (those committed since the last ``settle``); earlier positions need a cache
+        anchor (``state.resume``). Raises ``ValueError`` naming the limit otherwise."""
+        ...
+
+    def discard_pending(self) -> None:
+        """Drop the last verified tree (nothing committed changes)."""
+        ...
+
+    def trim_pending(self, n: int) -> None:
+        """Take back the last ``n`` tokens committed since the last ``settle`` (a stop string inside the
+        accepted tokens, say)."""
+        ...
+
+    def settle(self) -> None:
+        """Make the pending tokens permanent and free what was kept to take them back."""
         ...
 
 
 @runtime_checkable
 class ResumableEngine(Engine, Protocol):
-    def resume_at(self, n: int) -> None: ...
+    """Cache verbs (``caps.resume``)."""
 
-    def settle(self) -> None: ...
-
-    def discard_pending(self) -> None: ...
-
-    def trim_pending(self, n: int) -> None: ...
+    def resume_at(self, n: int, sections: dict[str, torch.Tensor] | None = None) -> None:
+        """Take the sequence back to ``n`` tokens whose views are already in the buffers (a common
+        prefix), with the recurrent ``sections`` after exactly ``n`` tokens (an anchor's)."""
+        ...

@@ -389,3 +389,34 @@ def test_unsupported_tokenizer_is_refused(bpe):
         build_tokenizer(spec)
     with pytest.raises(GGUFError, match="'llama'"):
         build_tokenizer(dataclasses.replace(spec, model="llama"))
+
+
+# -- the engine's fast ops against the core's references ---------------------------------------------
+
+@pytest.mark.parametrize("start,t", [(0, 1), (7, 1), (0, 9), (5, 4)], ids=["first", "decode", "prefill", "chunk"])
+def test_fast_ops_equal_core_references(start, t):
+    from tandem_core.ops.attention import attention, causal_mask
+    from tandem_core.ops.norm import rms_norm
+    from tandem_core.ops.rope import apply_rope, cos_sin, inv_freq
+    from tandem_llama.config import from_hf
+    from tandem_llama.model import attend, rope_rows, rope_tables
+
+    cfg = from_hf(json.loads(_hf_model(True).config.to_json_string()))
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = rope_tables(cfg, 32)
+    x = torch.randn(t, hq, d)
+    rc, rs = cos_sin(torch.arange(start, start + t), inv_freq(d, cfg.rope_theta))
+    torch.testing.assert_close(rope_rows(x, cos[start:start + t, None], sin[start:start + t, None]),
+                               apply_rope(x, rc, rs), rtol=1e-6, atol=1e-6)
+    h = torch.randn(t, cfg.hidden_size)
+    w = torch.randn(cfg.hidden_size)
+    torch.testing.assert_close(torch.nn.functional.rms_norm(h, (cfg.hidden_size,), w, 1e-5),
+                               rms_norm(h, w, 1e-5), rtol=1e-6, atol=1e-6)
+    g, end = hq // hkv, start + t
+    q = torch.randn(t, hq, d)
+    k, v = torch.randn(hkv, end, d), torch.randn(hkv, end, d)
+    mask = causal_mask(start, t)
+    qg = q.reshape(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
+    ours = attend(qg, k, v, None if t == 1 else mask.repeat(g, 1), d ** -0.5)
+    ours = ours.reshape(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+    torch.testing.assert_close(ours, attention(q, k, v, mask, d ** -0.5), rtol=1e-5, atol=1e-6)

@@ -36,7 +36,7 @@ from tandem_core.state import ModelState, View
 from tandem_llama.config import LlamaConfig, inv_freq
 from tandem_llama.weights import LlamaWeights
 
-__all__ = ["LlamaEngine", "rope_tables"]
+__all__ = ["LlamaEngine", "rope_tables", "rope_rows", "attend"]
 
 _HERE = Path(__file__).resolve().parent
 # the files whose code computes the rows an engine stores (its manifest)
@@ -57,6 +57,22 @@ def rope_tables(cfg: LlamaConfig, n: int, rope_freqs: torch.Tensor | None = None
     half = cfg.head_dim // 2
     sin[:, :half].neg_()
     return cos.contiguous(), sin.contiguous()
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary on ``x: [T, H, D]`` with ``rope_tables``' rows ``cos, sin: [T, 1, D]`` (``sin``'s first
+    half negated): ``x * cos + rotate_half(x) * sin`` as ``x * cos + roll(x, D/2) * sin``. A new tensor."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
+    """Grouped queries ``q: [Hkv, R, D]`` (R = group x rows) over ``k, v: [Hkv, S, D]``; ``mask: [R, S]`` bool
+    (True: may attend) or None (every row sees every position). Returns ``[Hkv, R, D]``."""
+    if mask is None:  # decode: plain batched matmuls beat SDPA's setup on a CPU
+        s = torch.bmm(q, k.transpose(1, 2)).mul_(scale)                # [Hkv, R, S]
+        return torch.bmm(torch.softmax(s, dim=-1), v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class _KV:
@@ -140,17 +156,13 @@ class LlamaEngine:
             h = F.rms_norm(x, hsize, lw.attn_norm, eps)
             qkv = lw.qkv.matmul(h)                                  # [T, q_dim + 2 kv_dim]
             qk = qkv[:, :q_dim + kv_dim].view(t, qk_heads, hd)
-            qk = torch.addcmul(qk * cos, qk.roll(self._half, -1), sin)   # rotary, [T, nh + nkv, hd]
+            qk = rope_rows(qk, cos, sin)                            # rotary, [T, nh + nkv, hd]
             kc, vc = self.k_cache[l], self.v_cache[l]               # [nkv, max_ctx, hd]
             kc[:, n:end].copy_(qk[:, nh:].transpose(0, 1))
             vc[:, n:end].copy_(qkv[:, q_dim + kv_dim:].view(t, nkv, hd).transpose(0, 1))
             # grouped queries: kv head j serves q heads j*g .. j*g+g-1 -> [nkv, g*T, hd]
             q = qk[:, :nh].reshape(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
-            if mask is None:  # one query row per head: plain batched matmuls beat SDPA's setup on a CPU
-                s = torch.bmm(q, kc[:, :end].transpose(1, 2)).mul_(self._scale)      # [nkv, g, end]
-                a = torch.bmm(torch.softmax(s, dim=-1), vc[:, :end])                  # [nkv, g, hd]
-            else:
-                a = F.scaled_dot_product_attention(q, kc[:, :end], vc[:, :end], attn_mask=mask, scale=self._scale)
+            a = attend(q, kc[:, :end], vc[:, :end], mask, self._scale)                # [nkv, g*T, hd]
             a = a.reshape(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, q_dim)     # [T, nh*hd]
             x = x + lw.o.matmul(a)
             h = F.rms_norm(x, hsize, lw.mlp_norm, eps)
