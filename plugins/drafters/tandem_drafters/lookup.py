@@ -26,6 +26,7 @@ and suits any target).
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -210,23 +211,40 @@ class LookupDrafter:
             d = depth + 1
             end = _shared_end(group, d)
             pc = weight / (weight + alpha)
-            first = group[0][0]
-            while d < end and len(tokens) < max_nodes:
+            # the shared chain [d, end): emit the run whose path probability stays at or above both
+            # the floor and the best waiting node (path * pc^j falls geometrically: count it at once)
+            top = -heap[0][0] if heap else 0.0
+            bar = max(floor, top)
+            room = min(end - d, max_nodes - len(tokens))
+            run = room if path * pc ** room >= bar else _steps_above(path, pc, bar, room)
+            if run:
+                first = group[0][0]
+                tokens.extend(first[d:d + run])
+                parents.extend(range(i, i + run))
+                probs.extend([pc] * run)
+                i, path, d = len(tokens) - 1, path * pc ** run, d + run
+            if len(tokens) >= max_nodes:
+                break
+            if d < end:  # the chain continues below the waiting node (or the floor)
                 q = path * pc
-                if q < floor:
-                    break
-                if heap and q < -heap[0][0]:
+                if q >= floor:
                     tick += 1
-                    heapq.heappush(heap, (-q, tick, first[d], pc, i, group, d, weight))
-                    break
-                tokens.append(first[d])
-                parents.append(i)
-                probs.append(pc)
-                i, path, d = len(tokens) - 1, q, d + 1
+                    heapq.heappush(heap, (-q, tick, group[0][0][d], pc, i, group, d, weight))
             else:
-                if len(tokens) < max_nodes:
-                    expand(group, d, i, path)
+                expand(group, d, i, path)
         return Proposal(tuple(tokens), tuple(parents), tuple(probs), self.name)
+
+
+def _steps_above(path: float, pc: float, bar: float, room: int) -> int:
+    """The most steps ``j <= room`` with ``path * pc ** j >= bar`` (``pc < 1``)."""
+    if path * pc < bar:
+        return 0
+    j = min(room, int(math.log(bar / path) / math.log(pc)) if bar > 0 else room)
+    while j > 0 and path * pc ** j < bar:
+        j -= 1
+    while j < room and path * pc ** (j + 1) >= bar:
+        j += 1
+    return j
 
 
 def _shared_end(group: list[tuple[tuple[int, ...], float]], start: int) -> int:
