@@ -26,6 +26,7 @@ Construction convention: a registered drafter (``tandem_drafters`` hook,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -97,11 +98,13 @@ class Proposal:
         if len(self.parents) != n or len(self.probs) != n:
             raise ValueError(f"proposal from {self.source!r}: tokens, parents and probs differ in length "
                              f"({n}, {len(self.parents)}, {len(self.probs)})")
-        for i, (par, p) in enumerate(zip(self.parents, self.probs)):
-            if not -1 <= par < i:
-                raise ValueError(f"proposal from {self.source!r}: node {i} has parent {par} (need -1 <= parent < {i})")
-            if not 0.0 <= p <= 1.0:
-                raise ValueError(f"proposal from {self.source!r}: node {i} has probability {p} outside [0, 1]")
+        if n and (min(self.parents) < -1 or any(map(int.__ge__, self.parents, range(n)))):
+            i = next(i for i, par in enumerate(self.parents) if not -1 <= par < i)
+            raise ValueError(f"proposal from {self.source!r}: node {i} has parent {self.parents[i]} "
+                             f"(need -1 <= parent < {i})")
+        if n and not (min(self.probs) >= 0.0 and max(self.probs) <= 1.0) or any(map(math.isnan, self.probs)):
+            i = next(i for i, p in enumerate(self.probs) if not 0.0 <= p <= 1.0)
+            raise ValueError(f"proposal from {self.source!r}: node {i} has probability {self.probs[i]} outside [0, 1]")
 
     def __len__(self) -> int:
         return len(self.tokens)

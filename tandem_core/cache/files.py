@@ -89,9 +89,9 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
             h.update(part)
             total += len(part)
         for t in tensors.values():
-            raw = _raw(t)
-            f.write(memoryview(raw))
-            h.update(memoryview(raw))
+            raw = _raw(t).data
+            f.write(raw)
+            h.update(raw)
             total += raw.nbytes
         f.flush()
         os.fsync(f.fileno())
@@ -207,18 +207,18 @@ def snapshot_from_payload(tensors: Mapping[str, torch.Tensor], meta: Mapping[str
     if missing:
         raise CorruptFile(f"{name}: views {sorted(missing)} named in the header are not in the file")
     state = ModelState.from_tensors(state_t, axes, length)
-    for k, v in state.views.items():
-        if v.capacity != length:
-            raise CorruptFile(f"{name}: view {k!r} holds {v.capacity} positions, header says {length}")
+    for k, view in state.views.items():
+        if view.capacity != length:
+            raise CorruptFile(f"{name}: view {k!r} holds {view.capacity} positions, header says {length}")
     if _jsonable(state.signature()) != meta.get("signature"):
         raise CorruptFile(f"{name}: tensors' signature differs from the header's")
     secs: dict[int, dict[str, torch.Tensor]] = {p: {} for p in kinds}
-    for k, v in tensors.items():
+    for k, t in tensors.items():
         if k.startswith("anchor."):
             pos, _, sec = k[len("anchor."):].partition(".")
-            if int(pos) not in secs:
+            if not pos.isdigit() or int(pos) not in secs:
                 raise CorruptFile(f"{name}: tensor {k!r} belongs to no anchor in the header")
-            secs[int(pos)][sec] = v
+            secs[int(pos)][sec] = t
     anchors = []
     for p in sorted(kinds):
         if set(secs[p]) != set(state.sections):

@@ -44,7 +44,7 @@ class _Bar:
             return
         self.last = (what, step)
         width = 30
-        fill = int(frac * width)
+        fill = round(frac * width)
         line = f"{what:>10} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {_size(done)}/{_size(total)}"
         if self.tty:
             sys.stderr.write("\r" + line + ("\n" if done >= total else ""))

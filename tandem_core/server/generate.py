@@ -59,7 +59,6 @@ class _Reader:
         assert spec is not None
         self.parser = OutputParser(spec.tool_format, spec.reasoning, spec.think_in_prompt, spec.tools)
         self.rid = job.rid
-        self.calls_begun = 0
         self.calls_ended = 0
 
     def read(self, events: list[Any], delta: Delta) -> None:
@@ -71,7 +70,6 @@ class _Reader:
             elif isinstance(ev, p.Reasoning):
                 delta.reasoning += ev.text
             elif isinstance(ev, p.ToolCallBegin):
-                self.calls_begun += 1
                 delta.tool_calls.append(ToolDelta(ev.index, ev.id, ev.name, ""))
             elif isinstance(ev, p.ToolCallArgs):
                 if delta.tool_calls and delta.tool_calls[-1].index == ev.index:
@@ -124,7 +122,7 @@ def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], No
         return Outcome("error", len(req.prompt), dec.completion_tokens, reasoning_tokens, dec.t_first,
                        dec.decode_rate(), f"{type(exc).__name__}: {exc}")
     assert finish is not None
-    if finish == FINISH_STOP and reader is not None and reader.calls_begun:
+    if finish == FINISH_STOP and reader is not None and reader.calls_ended:
         finish = "tool_calls"
     return Outcome(finish, len(req.prompt), dec.completion_tokens, reasoning_tokens, dec.t_first, dec.decode_rate())
 

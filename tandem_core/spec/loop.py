@@ -161,7 +161,7 @@ class Decode:
         logits = self.forward()         # the next-token distribution, [1, V]
         picks = self.sample(logits)     # keyed by (seed, position): the same draw however batched
         self.commit(picks)              # counts, grammar, stop ids, max_tokens
-        return self.emit(picks)         # the text now safe to send (a stop string never leaves)
+        return self.emit()              # the text now safe to send (a stop string never leaves)
 
     # -- the details ----------------------------------------------------------------------------------
 
@@ -202,8 +202,8 @@ class Decode:
                 self.finish = FINISH_LENGTH
                 return
 
-    def emit(self, picks: Sequence[Pick]) -> Chunk:
-        picks = self.fresh  # what commit kept of them
+    def emit(self) -> Chunk:
+        picks = self.fresh  # what the last commit kept
         text = "".join(self.detok.push(p.token) for p in picks if p.token not in self.req.stop_ids)
         if self.finish is not None:
             text += self.detok.flush()

@@ -45,9 +45,9 @@ class TokenTree:
         n = len(self.tokens)
         if not (len(self.parents) == len(self.probs) == len(self.sources) == len(self.source_probs) == n):
             raise ValueError("token tree: tokens, parents, probs, sources and source_probs differ in length")
-        for i, par in enumerate(self.parents):
-            if not -1 <= par < i:
-                raise ValueError(f"token tree: node {i} has parent {par} (need -1 <= parent < {i})")
+        if n and (min(self.parents) < -1 or any(map(int.__ge__, self.parents, range(n)))):
+            i = next(i for i, par in enumerate(self.parents) if not -1 <= par < i)
+            raise ValueError(f"token tree: node {i} has parent {self.parents[i]} (need -1 <= parent < {i})")
 
     # -- construction ---------------------------------------------------------------------------------
 

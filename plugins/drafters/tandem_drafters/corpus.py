@@ -242,12 +242,18 @@ class CorpusStore:
             if lo == hi:
                 continue
             want = list(tail[-k:])
+            checked = False  # one checked match vouches for its key's run (a 64-bit collision is not expected)
             for e in t.pos[max(lo, hi - 4 * limit):hi][::-1].tolist():
-                if e not in seen and self.tokens[e - k:e].tolist() == want:
-                    seen.add(e)
-                    out.append((e, k))
-                    if len(out) >= limit:
-                        return out
+                if e in seen:
+                    continue
+                if not checked:
+                    if self.tokens[e - k:e].tolist() != want:
+                        continue
+                    checked = True
+                seen.add(e)
+                out.append((e, k))
+                if len(out) >= limit:
+                    return out
         return out
 
     def continuation(self, e: int, depth: int) -> list[int]:

@@ -40,6 +40,11 @@ from tandem_drafters.ngram import DEFAULT_ORDERS, SENTINEL, NgramIndex
 
 __all__ = ["LookupConfig", "LookupDrafter"]
 
+# A chain being emitted yields to a waiting node only once it falls below this share of that node's path
+# probability: two chains of similar probability then take turns in runs instead of node by node (the
+# proposal is the top nodes up to this tolerance; the cut re-ranks them on calibrated acceptance anyway).
+_SLACK = 0.8
+
 
 @dataclass(frozen=True)
 class LookupConfig:
@@ -54,6 +59,8 @@ class LookupConfig:
     session_weight: float = 0.75              # weight of a session match against a sequence match
     corpus_weight: float = 0.5                # weight of a corpus match
     fold_after: int = 16                      # uncommitted context tokens indexed provisionally beyond this
+    corpus_skip_order: int = 8                # the corpus is not asked when the session gave `occurrences`
+                                              # matches at least this long
 
 
 class LookupDrafter:
@@ -152,12 +159,16 @@ class LookupDrafter:
             places.append((self._hist, cfg.session_weight))
         if self.corpus is not None:
             places.append((self.corpus, cfg.corpus_weight))
+        strong = 0  # matches of at least corpus_skip_order tokens found in the session so far
         for place, weight in places:
+            if place is self.corpus and strong >= cfg.occurrences:
+                break  # the session already knows this context well: the corpus would add little
             for e, k in place.occurrences(tail, keys, cfg.occurrences):
                 c = place.continuation(e, depth)
                 if c:
                     key = tuple(c)
                     conts[key] = conts.get(key, 0.0) + weight * k
+                    strong += k >= cfg.corpus_skip_order
         if not conts:
             return Proposal.empty(self.name)
         return self._best_first(conts, max_nodes)
@@ -176,8 +187,8 @@ class LookupDrafter:
         parents: list[int] = []
         probs: list[float] = []
         Group = list[tuple[tuple[int, ...], float]]
-        # (-path, tie, token, p, parent, group, depth of token, group weight)
-        heap: list[tuple[float, int, int, float, int, Group, int, float]] = []
+        # (-path, tie, token, p, parent, group, depth of token, group weight, shared end or -1)
+        heap: list[tuple[float, int, int, float, int, Group, int, float, int]] = []
         tick = 0
 
         def expand(group: Group, depth: int, parent: int, path: float) -> None:
@@ -198,23 +209,24 @@ class LookupDrafter:
                 p = w / total
                 if path * p >= floor:
                     tick += 1
-                    heapq.heappush(heap, (-path * p, tick, tok, p, parent, sub, depth, w))
+                    heapq.heappush(heap, (-path * p, tick, tok, p, parent, sub, depth, w, -1))
 
         expand(list(conts.items()), 0, -1, 1.0)
         while heap and len(tokens) < max_nodes:
-            neg, _, tok, p, parent, group, depth, weight = heapq.heappop(heap)
+            neg, _, tok, p, parent, group, depth, weight, end = heapq.heappop(heap)
             path = -neg
             i = len(tokens)
             tokens.append(tok)
             parents.append(parent)
             probs.append(p)
             d = depth + 1
-            end = _shared_end(group, d)
+            if end < 0:
+                end = _shared_end(group, d)
             pc = weight / (weight + alpha)
-            # the shared chain [d, end): emit the run whose path probability stays at or above both
-            # the floor and the best waiting node (path * pc^j falls geometrically: count it at once)
+            # the shared chain [d, end): emit the run whose path probability stays at or above both the
+            # floor and (nearly, _SLACK) the best waiting node; path * pc^j falls geometrically: count it at once
             top = -heap[0][0] if heap else 0.0
-            bar = max(floor, top)
+            bar = max(floor, top * _SLACK)
             room = min(end - d, max_nodes - len(tokens))
             run = room if path * pc ** room >= bar else _steps_above(path, pc, bar, room)
             if run:
@@ -229,7 +241,7 @@ class LookupDrafter:
                 q = path * pc
                 if q >= floor:
                     tick += 1
-                    heapq.heappush(heap, (-q, tick, group[0][0][d], pc, i, group, d, weight))
+                    heapq.heappush(heap, (-q, tick, group[0][0][d], pc, i, group, d, weight, end))
             else:
                 expand(group, d, i, path)
         return Proposal(tuple(tokens), tuple(parents), tuple(probs), self.name)

@@ -22,7 +22,7 @@ format, so a row permutation or a row concatenation of the raw data is exact
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -228,10 +228,3 @@ def concat_rows(parts: Sequence[GGMLWeight], *, dense: bool) -> Any:
         return F32Weight(torch.cat([p.dense() for p in parts], dim=0), dense=True)
     return RowConcat(parts)
 
-
-def factory(cls: type[GGMLWeight]) -> Callable[..., GGMLWeight]:
-    def make(raw: Any, *, dense: bool = True) -> GGMLWeight:
-        return cls(raw, dense=dense)
-
-    make.__doc__ = f"{cls.format}: raw data -> {cls.__name__}"
-    return make
