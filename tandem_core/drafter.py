@@ -104,7 +104,8 @@ class Proposal:
                              f"(need -1 <= parent < {i})")
         if n and not (min(self.probs) >= 0.0 and max(self.probs) <= 1.0) or any(map(math.isnan, self.probs)):
             i = next(i for i, p in enumerate(self.probs) if not 0.0 <= p <= 1.0)
-            raise ValueError(f"proposal from {self.source!r}: node {i} has probability {self.probs[i]} outside [0, 1]")
+            raise ValueError(f"proposal from {self.source!r}: node {i} has probability {self.probs[i]} "
+                             "outside [0, 1]")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -156,13 +157,15 @@ def check_target(drafter_name: str, requirements: Requirements, target: TargetIn
     problems: list[str] = []
     missing = sorted(set(requirements.hidden_layers) - set(target.hidden_layers))
     if missing:
-        problems.append(f"hidden layer(s) {missing} (the target offers {sorted(target.hidden_layers) or 'none'})")
+        offered = sorted(target.hidden_layers) or "none"
+        problems.append(f"hidden layer(s) {missing} (the target offers {offered})")
     if requirements.embedding and not target.embedding:
         problems.append("the embedding (the target does not offer it)")
     if requirements.head and not target.head:
         problems.append("the head (the target does not offer it)")
     if requirements.tokenizer is not None and requirements.tokenizer != target.tokenizer:
-        problems.append(f"tokenizer sha256 {requirements.tokenizer} (the target's is {target.tokenizer or 'unknown'})")
+        theirs = target.tokenizer or "unknown"
+        problems.append(f"tokenizer sha256 {requirements.tokenizer} (the target's is {theirs})")
     if requirements.vocab_size is not None and requirements.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {requirements.vocab_size} (the target's is {target.vocab_size})")
     if problems:
@@ -172,7 +175,8 @@ def check_target(drafter_name: str, requirements: Requirements, target: TargetIn
 
 
 def build_drafter(name: str, target: TargetInfo, **options: Any) -> Drafter:
-    """Build the drafter registered as ``name`` for ``target`` and check it (``DrafterMismatch`` on a mismatch)."""
+    """Build the drafter registered as ``name`` for ``target`` and check it (``DrafterMismatch`` if it
+    does not fit)."""
     from tandem_core.plugins import import_string, registries
 
     known = registries().drafters

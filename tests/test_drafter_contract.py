@@ -1,4 +1,4 @@
-"""The drafter contract: requirements checked against the target, refused by name; building through the hook."""
+"""The drafter contract: requirements checked against the target and refused by name; the hook."""
 
 from __future__ import annotations
 
@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from tandem_core.drafter import (Drafter, DrafterMismatch, Proposal, Requirements, TargetInfo, build_drafter,
-                                 check_target)
+from tandem_core.drafter import (
+    Drafter,
+    DrafterMismatch,
+    Proposal,
+    Requirements,
+    TargetInfo,
+    build_drafter,
+    check_target,
+)
 from tandem_core.engine import Capabilities
 from tandem_core.plugins import hookimpl
 
@@ -16,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "plugins" / "drafters") not in sys.path:  # the plugin's source tree, installed or not
     sys.path.insert(0, str(ROOT / "plugins" / "drafters"))
 
-TARGET = TargetInfo(hidden_layers=(1, 31, 62), embedding=True, head=True, tokenizer="a" * 64, vocab_size=248320,
-                    name="qwen3.8-27b")
+TARGET = TargetInfo(hidden_layers=(1, 31, 62), embedding=True, head=True, tokenizer="a" * 64,
+                    vocab_size=248320, name="qwen3.8-27b")
 
 
 def test_a_matching_drafter_passes():
@@ -43,7 +50,8 @@ def test_a_mismatch_is_refused_naming_the_drafter_and_the_item(req, names):
 def test_every_missing_item_is_named_at_once():
     bare = TargetInfo(hidden_layers=(), embedding=False, head=False, tokenizer=None, vocab_size=10)
     with pytest.raises(DrafterMismatch) as e:
-        check_target("mtp", Requirements(hidden_layers=(3,), embedding=True, head=True, tokenizer="c" * 64), bare)
+        req = Requirements(hidden_layers=(3,), embedding=True, head=True, tokenizer="c" * 64)
+        check_target("mtp", req, bare)
     msg = str(e.value)
     for n in ("hidden layer(s) [3]", "the embedding", "the head", "the target's is unknown"):
         assert n in msg
@@ -103,7 +111,8 @@ def test_the_drafters_plugin_registers_lookup_and_the_corpus_command(fresh_plugi
     assert reg.drafters["lookup"] == "tandem_drafters.lookup:LookupDrafter"
     assert "corpus" in reg.cli_commands
     d = build_drafter("lookup", TARGET, corpus="")
-    assert isinstance(d, Drafter) and d.requires() == Requirements()  # no corpus: it reads nothing of the target
+    assert isinstance(d, Drafter)
+    assert d.requires() == Requirements()  # no corpus: it reads nothing of the target
 
 
 def test_the_plugin_imports_nothing_heavy():

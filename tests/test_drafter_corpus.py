@@ -29,7 +29,8 @@ WORDS = ("def return self import from class for in if else while yield with as t
 def make_tokenizer(path: Path, words=WORDS) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
@@ -110,7 +111,8 @@ def test_another_tokenizer_is_refused_naming_both_fingerprints(store):
         LookupDrafter(TargetInfo(tokenizer="b" * 64), corpus=path)
     # opened without a target, it declares the store's tokenizer, and the load check refuses by name
     d = LookupDrafter(None, corpus=path)
-    with pytest.raises(DrafterMismatch, match=r"drafter 'lookup'.*tokenizer sha256 a{64}.*the target's is b{64}"):
+    refusal = r"drafter 'lookup'.*tokenizer sha256 a{64}.*the target's is b{64}"
+    with pytest.raises(DrafterMismatch, match=refusal):
         check_target("lookup", d.requires(), TargetInfo(tokenizer="b" * 64))
 
 
@@ -182,7 +184,8 @@ def test_tandem_corpus_build_and_info(fresh_plugins, monkeypatch, tmp_path, caps
     out2 = tmp_path / "code2.tlk"
     assert main(["corpus", "build", "--model", str(ckpt), "-o", str(out2), str(src / "a.py")]) == 0
     assert CorpusStore.open(out2, fp).n_docs == 1
-    assert main(["corpus", "build", "--tokenizer", str(tokjson), "-o", str(out2), str(tmp_path / "none")]) == 2
+    missing = str(tmp_path / "none")
+    assert main(["corpus", "build", "--tokenizer", str(tokjson), "-o", str(out2), missing]) == 2
     assert "no such file or folder" in capsys.readouterr().err
     out2.write_bytes(b"junk")
     assert main(["corpus", "info", str(out2)]) == 2

@@ -7,8 +7,6 @@ import random
 import sys
 from pathlib import Path
 
-import pytest
-
 from tandem_core.drafter import Drafter, Proposal
 from tandem_core.spec.cut import PriceTable, StairCut
 from tandem_core.spec.tree import TokenTree

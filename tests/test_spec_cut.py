@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 
 from tandem_core.drafter import Proposal
-from tandem_core.spec.cut import (Calibration, OnlinePrices, PriceFileError, PriceTable, StairCut, find_price_file,
-                                  price_file_path)
+from tandem_core.spec.cut import (
+    Calibration,
+    OnlinePrices,
+    PriceFileError,
+    PriceTable,
+    StairCut,
+    find_price_file,
+    price_file_path,
+)
 from tandem_core.spec.tree import TokenTree
 
 WIDTHS = tuple(range(1, 65))
@@ -20,7 +27,8 @@ WIDTHS = tuple(range(1, 65))
 
 def table(fn, contexts=(0, 65536)) -> PriceTable:
     """A price table of ``fn(n, L)`` over widths 1..64."""
-    return PriceTable(WIDTHS, tuple(contexts), tuple(tuple(float(fn(n, L)) for n in WIDTHS) for L in contexts))
+    ms = tuple(tuple(float(fn(n, L)) for n in WIDTHS) for L in contexts)
+    return PriceTable(WIDTHS, tuple(contexts), ms)
 
 
 def bushy_tree(depth: int = 12, main: float = 0.8, side: float = 0.08) -> TokenTree:
@@ -56,6 +64,8 @@ def test_steep_verify_keeps_a_chain_or_nothing():
     assert mid.tree.tokens == tuple(100 + d for d in range(len(mid.keep)))
     steep = StairCut(table(lambda n, L: 10.0 * n)).cut(tree, 1000)
     assert steep.keep == () and steep.expected == 1.0 and steep.price_ms == 10.0  # plain decode wins
+    empty = StairCut(table(lambda n, L: 10.0)).cut(TokenTree.empty(), 1000)
+    assert empty.keep == () and len(empty.tree) == 0 and empty.rate == pytest.approx(0.1)
 
 
 def test_a_staircase_is_cut_just_below_a_step():

@@ -52,7 +52,8 @@ def random_tree(rng: random.Random, truth: list[int]) -> TokenTree:
 
 def node_picks(tree: TokenTree, seq: list[int], sampler: Sampler | None) -> tuple[list[int], int]:
     """Every node's pick, as one verify forward would give them (all rows at once)."""
-    rows = [toy_logits(seq)] + [toy_logits(seq + [tree.tokens[i] for i in tree.path_to(k)]) for k in range(len(tree))]
+    rows = [toy_logits(seq)]
+    rows += [toy_logits(seq + [tree.tokens[i] for i in tree.path_to(k)]) for k in range(len(tree))]
     logits = torch.stack(rows)
     if sampler is None:
         p = torch.argmax(logits, -1).tolist()

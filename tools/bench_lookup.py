@@ -53,8 +53,9 @@ def run(make, seq: list[int], context: int, rounds: int, max_nodes: int) -> dict
         acc.append(time.thread_time() - t)
         ctx.append(seq[i])
     prop.sort()
-    return {"begin_ms": begin_ms, "mean_us": statistics.mean(prop) * 1e6, "median_us": statistics.median(prop) * 1e6,
-            "p99_us": prop[int(0.99 * len(prop))] * 1e6, "nodes": nodes / rounds,
+    return {"begin_ms": begin_ms, "mean_us": statistics.mean(prop) * 1e6,
+            "median_us": statistics.median(prop) * 1e6, "p99_us": prop[int(0.99 * len(prop))] * 1e6,
+            "nodes": nodes / rounds,
             "accepted_us": statistics.mean(acc) * 1e6}
 
 
@@ -64,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         sys.path.insert(0, str(ROOT / "plugins" / "drafters"))
     sys.path.insert(0, str(ROOT))
-    from tandem_core.drafter import TargetInfo
     from tandem_drafters.corpus import build_store
     from tandem_drafters.lookup import LookupDrafter
+
+    from tandem_core.drafter import TargetInfo
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=32768)
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             LookupDrafter(TargetInfo(tokenizer="0" * 64), corpus=path)
             print(f"corpus store: opened (sha256 checked) in {(time.perf_counter() - t) * 1e3:.0f} ms")
-            configs.append(("sequence+corpus", lambda: LookupDrafter(TargetInfo(tokenizer="0" * 64), corpus=path)))
+            target = TargetInfo(tokenizer="0" * 64)
+            configs.append(("sequence+corpus", lambda: LookupDrafter(target, corpus=path)))
         for name, make in configs:
             runs = [run(make, seq, args.context, args.rounds, args.max_nodes) for _ in range(args.repeat)]
             best = min(runs, key=lambda r: r["mean_us"])

@@ -22,10 +22,12 @@ def main(argv: list[str] | None = None) -> int:
         import tandem_drafters  # noqa: F401  (installed: use it)
     except ImportError:  # a checkout without `pip install plugins/drafters`: use the source tree
         sys.path.insert(0, str(ROOT / "plugins" / "drafters"))
-    from tandem_core.cli import CliError
     from tandem_drafters.corpus_cli import configure_build, run_build
 
-    p = argparse.ArgumentParser(prog="build_corpus.py", description="tokenise text files into a lookup corpus store")
+    from tandem_core.cli import CliError
+
+    p = argparse.ArgumentParser(prog="build_corpus.py",
+                                description="tokenise text files into a lookup corpus store")
     configure_build(p)
     args = p.parse_args(argv)
     try:

@@ -51,8 +51,8 @@ import numpy as np
 from tandem_core.spec.tree import TokenTree
 
 __all__ = [
-    "PRICE_FORMAT", "PRICE_VERSION", "PriceFileError", "PriceTable", "OnlinePrices", "Calibration", "CutResult",
-    "StairCut", "price_file_path", "find_price_file",
+    "PRICE_FORMAT", "PRICE_VERSION", "PriceFileError", "PriceTable", "OnlinePrices", "Calibration",
+    "CutResult", "StairCut", "price_file_path", "find_price_file",
 ]
 
 PRICE_FORMAT = "tandem-prices"
@@ -95,7 +95,8 @@ class PriceTable:
         if d.get("format") != PRICE_FORMAT:
             raise PriceFileError(f"{where}: 'format' is {d.get('format')!r}, expected {PRICE_FORMAT!r}")
         if d.get("version") != PRICE_VERSION:
-            raise PriceFileError(f"{where}: 'version' is {d.get('version')!r}, this reader knows {PRICE_VERSION}")
+            raise PriceFileError(f"{where}: 'version' is {d.get('version')!r}, "
+                                 f"this reader knows {PRICE_VERSION}")
         for key in ("widths", "contexts", "ms"):
             if not isinstance(d.get(key), list):
                 raise PriceFileError(f"{where}: {key!r} is missing or not a list")
@@ -156,7 +157,8 @@ def price_file_path(root: str | Path, model: str, profile: str, device: str) -> 
     return Path(root) / "prices" / model / f"{profile}.{device}.json"
 
 
-def find_price_file(model: str, profile: str, device: str, dirs: Iterable[str | Path] | None = None) -> Path | None:
+def find_price_file(model: str, profile: str, device: str,
+                    dirs: Iterable[str | Path] | None = None) -> Path | None:
     """The first price file for ``(model, profile, device)`` in ``dirs`` (default: ``TANDEM_REGISTRY``, then
     every folder registered through ``tandem_model_entries``), or None."""
     if dirs is None:
@@ -261,7 +263,7 @@ class OnlinePrices:
         return float(np.median(y - slope * L)), slope, Lmed
 
     def _line_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(widths, intercepts at L = 0, slopes, sample counts), the slopes filled in; refit per observation."""
+        """(widths, intercepts at L = 0, slopes, sample counts), slopes filled in; refit per observation."""
         if self._lines is None or self._lines[0] != self._version:
             for w in self._dirty:
                 self._fits[w] = self._fit(w)
@@ -278,7 +280,7 @@ class OnlinePrices:
         return self._lines[1:]
 
     def curve(self, context_len: int, n_max: int) -> np.ndarray:
-        """[n_max] float64: the estimated ms of a verify of ``n`` rows (index ``n - 1``) at ``context_len``."""
+        """[n_max] float64: estimated ms of a verify of ``n`` rows (index ``n - 1``) at ``context_len``."""
         key = (self._version, int(context_len), int(n_max))
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
@@ -334,7 +336,7 @@ class Calibration:
         return tuple(sorted(self._seen))
 
     def observe(self, probs: Sequence[float], accepted: Sequence[bool], sources: Sequence[str]) -> None:
-        """One batch of drafted nodes whose parent was accepted: their probability, accepted or not, source."""
+        """One batch of drafted nodes whose parent was accepted: probability, accepted or not, source."""
         if not len(probs):
             return
         p = np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)
@@ -423,7 +425,8 @@ class StairCut:
     # -- what the loop reports --------------------------------------------------------------------
 
     def observe(self, n_nodes: int, context_len: int, ms: float) -> None:
-        """A verify forward of ``n_nodes`` rows (drafted nodes plus ``base_rows``) at ``context_len`` took ``ms``."""
+        """A verify forward of ``n_nodes`` rows (drafted nodes plus ``base_rows``) at ``context_len``
+        took ``ms``."""
         self.online.observe(n_nodes, context_len, ms)
 
     def observe_accept(self, node_probs: Sequence[float], accepted_mask: Sequence[bool],

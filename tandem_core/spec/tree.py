@@ -56,7 +56,8 @@ class TokenTree:
         return cls((), (), (), (), ())
 
     @classmethod
-    def chain(cls, tokens: Sequence[int], probs: Sequence[float] | None = None, source: str = "chain") -> "TokenTree":
+    def chain(cls, tokens: Sequence[int], probs: Sequence[float] | None = None,
+              source: str = "chain") -> "TokenTree":
         probs = [1.0] * len(tokens) if probs is None else probs
         return cls.from_proposal(Proposal.chain(tokens, probs, source))
 
@@ -185,5 +186,6 @@ class TokenTree:
             if par >= 0 and par not in new:
                 raise ValueError(f"subtree: node {old} is kept but its parent {par} is not")
             parents.append(-1 if par < 0 else new[par])
-        return TokenTree(tuple(self.tokens[i] for i in kept), tuple(parents), tuple(self.probs[i] for i in kept),
-                         tuple(self.sources[i] for i in kept), tuple(self.source_probs[i] for i in kept))
+        return TokenTree(tuple(self.tokens[i] for i in kept), tuple(parents),
+                         tuple(self.probs[i] for i in kept), tuple(self.sources[i] for i in kept),
+                         tuple(self.source_probs[i] for i in kept))

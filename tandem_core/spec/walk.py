@@ -74,8 +74,8 @@ def walk_lazy(tree: TokenTree, pick: Callable[[int], int]) -> WalkResult:
 
 
 def walk(tree: TokenTree, picks: Sequence[int] | torch.Tensor, picks_root: int) -> WalkResult:
-    """The walk with every pick known: ``picks`` [N] (the model's token after node ``k``), ``picks_root`` (after
-    the last committed token)."""
+    """The walk with every pick known: ``picks`` [N] (the model's token after node ``k``),
+    ``picks_root`` (after the last committed token)."""
     if isinstance(picks, torch.Tensor):
         picks = picks.reshape(-1).tolist()
     if len(picks) != len(tree):

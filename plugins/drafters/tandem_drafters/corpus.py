@@ -59,7 +59,7 @@ _MAX_KEY = (1 << 64) - 1
 
 
 class CorpusError(ValueError):
-    """A store file that is not a store, is truncated or corrupt (the message names the file and the fault)."""
+    """A file that is not a store, or is truncated or corrupt (the message names the file and the fault)."""
 
 
 class TokenizerMismatch(CorpusError):
@@ -112,9 +112,10 @@ def build_store(docs: Iterable[Sequence[int]], out: str | Path, tokenizer_sha256
     for arr in sections.values():
         digest.update(arr.tobytes())
         digest.update(b"\0" * _pad(arr.nbytes))
-    header = {"format": FORMAT, "version": VERSION, "tokenizer_sha256": tokenizer_sha256, "orders": list(orders),
-              "hash_base": HASH_BASE, "n_tokens": n, "n_docs": n_docs, "payload_bytes": offset,
-              "payload_sha256": digest.hexdigest(), "sections": table, "meta": meta or {}}
+    header = {"format": FORMAT, "version": VERSION, "tokenizer_sha256": tokenizer_sha256,
+              "orders": list(orders), "hash_base": HASH_BASE, "n_tokens": n, "n_docs": n_docs,
+              "payload_bytes": offset, "payload_sha256": digest.hexdigest(), "sections": table,
+              "meta": meta or {}}
     hb = json.dumps(header, sort_keys=True).encode()
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +139,8 @@ class _Order:
 class CorpusStore:
     """An open store (memory-mapped, read-only). ``occurrences`` and ``continuation`` as ``NgramIndex``'s."""
 
-    def __init__(self, path: Path, header: dict[str, Any], tokens: np.ndarray, tables: dict[int, _Order]) -> None:
+    def __init__(self, path: Path, header: dict[str, Any], tokens: np.ndarray,
+                 tables: dict[int, _Order]) -> None:
         self.path = path
         self.header = header
         self.tokens = tokens
@@ -158,7 +160,8 @@ class CorpusStore:
         return int(self.header["n_docs"])
 
     @classmethod
-    def open(cls, path: str | Path, tokenizer_sha256: str | None = None, *, verify: bool = True) -> "CorpusStore":
+    def open(cls, path: str | Path, tokenizer_sha256: str | None = None, *,
+             verify: bool = True) -> "CorpusStore":
         """Open ``path``; refuse it (``TokenizerMismatch``) when ``tokenizer_sha256`` is given and differs,
         and (``CorpusError``) when it is not a sound store."""
         p = Path(path)
@@ -167,7 +170,8 @@ class CorpusStore:
             with open(p, "rb") as f:
                 head = f.read(16)
                 if len(head) < 16 or head[:8] != MAGIC:
-                    raise CorpusError(f"{p}: not a lookup corpus store (magic {head[:8]!r}, expected {MAGIC!r})")
+                    raise CorpusError(f"{p}: not a lookup corpus store "
+                                      f"(magic {head[:8]!r}, expected {MAGIC!r})")
                 version, hlen = struct.unpack("<II", head[8:16])
                 if version != VERSION:
                     raise CorpusError(f"{p}: store layout version {version}; this reader knows {VERSION}")
@@ -188,10 +192,12 @@ class CorpusStore:
         stored = header["tokenizer_sha256"]
         if tokenizer_sha256 is not None and stored != tokenizer_sha256:
             raise TokenizerMismatch(
-                f"{p}: this lookup store was built with tokenizer sha256 {stored}, but the target's tokenizer is "
-                f"sha256 {tokenizer_sha256}; rebuild it with `tandem corpus build` and the target's tokenizer")
+                f"{p}: this lookup store was built with tokenizer sha256 {stored}, but the target's "
+                f"tokenizer is sha256 {tokenizer_sha256}; rebuild it with `tandem corpus build` and the "
+                "target's tokenizer")
         if header["hash_base"] != HASH_BASE:
-            raise CorpusError(f"{p}: header 'hash_base' {header['hash_base']} is not this reader's {HASH_BASE}")
+            raise CorpusError(f"{p}: header 'hash_base' {header['hash_base']} "
+                              f"is not this reader's {HASH_BASE}")
         start = 16 + hlen + _pad(16 + hlen)
         payload = int(header["payload_bytes"])
         if size != start + payload:
@@ -215,15 +221,19 @@ class CorpusStore:
             if off < 0 or count < 0 or off + count * dt.itemsize > payload:
                 raise CorpusError(f"{p}: section {name!r} lies outside the payload")
             # a plain ndarray view of the mapping: indexing it costs what an in-memory array's does
-            arrays[name] = (np.memmap(p, dtype=dt, mode="r", offset=start + off, shape=(count,)).view(np.ndarray)
-                            if count else np.zeros(0, dtype=dt))
+            if count:
+                mm = np.memmap(p, dtype=dt, mode="r", offset=start + off, shape=(count,))
+                arrays[name] = mm.view(np.ndarray)
+            else:
+                arrays[name] = np.zeros(0, dtype=dt)
         tables: dict[int, _Order] = {}
         for k in header["orders"]:
             if f"keys.{k}" not in arrays or f"pos.{k}" not in arrays or "tokens" not in arrays:
                 raise CorpusError(f"{p}: order {k} has no keys/pos section")
             tables[int(k)] = _Order(arrays[f"keys.{k}"], arrays[f"pos.{k}"])
         if len(arrays["tokens"]) != int(header["n_tokens"]):
-            raise CorpusError(f"{p}: 'tokens' holds {len(arrays['tokens'])} ids, the header says {header['n_tokens']}")
+            raise CorpusError(f"{p}: 'tokens' holds {len(arrays['tokens'])} ids, "
+                              f"the header says {header['n_tokens']}")
         return cls(p, header, arrays["tokens"], tables)
 
     def occurrences(self, tail: Sequence[int], keys: dict[int, int], limit: int) -> list[tuple[int, int]]:
@@ -242,7 +252,7 @@ class CorpusStore:
             if lo == hi:
                 continue
             want = list(tail[-k:])
-            checked = False  # one checked match vouches for its key's run (a 64-bit collision is not expected)
+            checked = False  # one checked match vouches for its key's run (no 64-bit collision expected)
             for e in t.pos[max(lo, hi - 4 * limit):hi][::-1].tolist():
                 if e in seen:
                     continue

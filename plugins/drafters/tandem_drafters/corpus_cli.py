@@ -15,9 +15,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from tandem_core.cli import CliError
+
+if TYPE_CHECKING:
+    from tandem_core.tokenizer import HFTokenizer
 
 __all__ = ["configure_corpus", "run_corpus", "configure_build", "run_build", "configure_info", "run_info",
            "load_tokenizer", "text_files"]
@@ -28,7 +31,7 @@ def configure_corpus(p: argparse.ArgumentParser) -> None:
     configure_build(sub.add_parser("build", help="build a store from text files",
                                    description="tokenise text files into a lookup corpus store"))
     configure_info(sub.add_parser("info", help="print a store's header (and check it)",
-                                  description="print a lookup corpus store's header; exit 2 when it is unsound"))
+                                  description="print a lookup corpus store's header; exit 2 if unsound"))
 
 
 def run_corpus(args: argparse.Namespace) -> int:
@@ -43,7 +46,8 @@ def configure_build(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="a registry model id or a checkpoint folder: use its tokenizer")
     p.add_argument("--weights", help="the checkpoint folder, when --model is a registry id")
     p.add_argument("--glob", default="*", help="which files inside folders (default: all)")
-    p.add_argument("--orders", default=None, help="comma-separated n-gram orders (default: 1,2,3,4,6,8,12,16)")
+    p.add_argument("--orders", default=None,
+                   help="comma-separated n-gram orders (default: 1,2,3,4,6,8,12,16)")
 
 
 def configure_info(p: argparse.ArgumentParser) -> None:
@@ -51,7 +55,8 @@ def configure_info(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip the payload sha256 check")
 
 
-def load_tokenizer(tokenizer: str | None = None, model: str | None = None, weights: str | None = None):  # noqa: ANN201
+def load_tokenizer(tokenizer: str | None = None, model: str | None = None,
+                   weights: str | None = None) -> HFTokenizer:
     """An ``HFTokenizer`` from a ``tokenizer.json`` path, or from a registry model / checkpoint folder."""
     from tandem_core.tokenizer import HFTokenizer
 

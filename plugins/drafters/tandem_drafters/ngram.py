@@ -26,7 +26,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["DEFAULT_ORDERS", "HASH_BASE", "SENTINEL", "NgramIndex", "suffix_keys", "window_keys", "prefix_hashes"]
+__all__ = ["DEFAULT_ORDERS", "HASH_BASE", "SENTINEL", "NgramIndex", "suffix_keys", "window_keys",
+           "prefix_hashes"]
 
 DEFAULT_ORDERS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
 HASH_BASE = 0x9E3779B97F4A7C15            # odd, so invertible mod 2^64
@@ -70,7 +71,7 @@ def prefix_hashes(x: np.ndarray, start: int = 0) -> np.ndarray:
 
 
 def window_keys(h: np.ndarray, ends: np.ndarray, k: int) -> np.ndarray:
-    """[len(ends)] uint64 keys of the windows ``[e - k, e)`` from prefix hashes ``h`` (``h[0]`` = empty prefix)."""
+    """[len(ends)] uint64 keys of the windows ``[e - k, e)`` from prefix hashes ``h`` (``h[0]``: empty)."""
     pk = np.full(len(ends), _pow(k), dtype=np.uint64)
     return h[ends] - h[ends - k] * pk
 
