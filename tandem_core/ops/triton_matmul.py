@@ -1,0 +1,186 @@
+"""Row-invariant skinny matmul for CUDA (Triton): ``y = x @ W^T`` for 1..128 rows, bf16 in, fp32 accumulate.
+
+Decode multiplies one row by every weight; verify multiplies up to 128. A verified
+row must equal the decode row bit for bit, so the arithmetic of one output row may
+not depend on how many rows are in the call. Here it does not, by construction:
+
+- the kernel config (``MatmulPlan``: tile sizes, split of K, warps, stages) is a
+  function of the weight's shape ``(N, K)`` only, never of the row count;
+- rows sit in tiles of a fixed 64 (``BM``); a call of up to 64 rows is one tile,
+  65..128 rows are two tiles that share each loaded weight tile (``MT = 2``), so
+  every row goes through the same ``tl.dot`` of the same shape on the same K steps;
+- with K split in ``split`` parts, each part writes an fp32 partial
+  ``[split, M, N]`` and the consumer adds the parts in index order (``reduce_parts``).
+
+    skinny_matmul(x [M, K] bf16, w [N, K] bf16, plan) -> [M, N] bf16         (split == 1)
+                                                       -> [split, M, N] fp32 (split > 1)
+
+Triton is imported when a kernel is first built, never at import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["MatmulPlan", "plan_for", "skinny_matmul", "reduce_parts", "BM", "MAX_ROWS", "set_plan", "plans"]
+
+BM = 64          # rows per tile (fixed: the row-invariance rests on it)
+MAX_ROWS = 128   # two tiles at most
+_SMS = 132       # H200 multiprocessors; only the split heuristic reads it
+
+tl: Any = None
+_K: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """How one weight shape ``(N, K)`` is multiplied: ``BN`` output columns and ``BK`` of K per step, K cut in
+    ``split`` parts of ``k_split`` (a multiple of ``BK``), ``warps`` and pipeline ``stages``."""
+
+    BN: int = 64
+    BK: int = 128
+    split: int = 1
+    warps: int = 4
+    stages: int = 4
+
+    def k_split(self, K: int) -> int:
+        return int(math.ceil(K / self.split / self.BK) * self.BK)
+
+
+_PLANS: dict[tuple[int, int], MatmulPlan] = {}
+
+
+def plan_for(N: int, K: int) -> MatmulPlan:
+    """The plan for a weight of shape ``(N, K)``: a tuned one (``set_plan``) or the heuristic: 64-column tiles,
+    K cut so that at least two programs run per multiprocessor."""
+    p = _PLANS.get((N, K))
+    if p is not None:
+        return p
+    BN = 64
+    BK = 128 if K >= 128 else max(16, 1 << (K - 1).bit_length())
+    tiles = math.ceil(N / BN)
+    split = 1
+    while tiles * split < 2 * _SMS and K // (BK * (split * 2)) >= 4:
+        split *= 2
+    return MatmulPlan(BN, BK, split)
+
+
+def set_plan(N: int, K: int, plan: MatmulPlan) -> None:
+    """Fix the plan of a weight shape (the benchmark's tuning). Set it before any graph is captured."""
+    _PLANS[(N, K)] = plan
+
+
+def plans() -> dict[tuple[int, int], MatmulPlan]:
+    return dict(_PLANS)
+
+
+def _build() -> dict[str, Any]:
+    global tl
+    import triton
+    import triton.language as _tl
+
+    tl = _tl
+
+    @triton.jit
+    def mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om,
+                  BM: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  EVEN_K: tl.constexpr, OUT_F32: tl.constexpr):
+        # one program: BN output columns, one K part, every row (MT tiles of BM rows)
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_m = tl.arange(0, BM)
+        offs_k = tl.arange(0, BK)
+        n_ok = offs_n < N
+        k_lo = pid_s * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        acc0 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        for k0 in range(k_lo, k_hi, BK):
+            kk = k0 + offs_k
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)          # w: [BN, BK]
+                x0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=offs_m[:, None] < M,
+                             other=0.0)                                                   # x0: [BM, BK]
+            else:
+                k_ok = kk < k_hi
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                             mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
+            wt = tl.trans(w)                                                              # wt: [BK, BN]
+            acc0 = tl.dot(x0, wt, acc0)
+            if MT > 1:
+                m1 = BM + offs_m
+                if EVEN_K:
+                    x1 = tl.load(x_ptr + m1[:, None] * stride_xm + kk[None, :], mask=m1[:, None] < M, other=0.0)
+                else:
+                    x1 = tl.load(x_ptr + m1[:, None] * stride_xm + kk[None, :],
+                                 mask=(m1[:, None] < M) & (kk < k_hi)[None, :], other=0.0)
+                acc1 = tl.dot(x1, wt, acc1)
+        o_base = out_ptr + pid_s * stride_os
+        o_ptrs = o_base + offs_m[:, None] * stride_om + offs_n[None, :]
+        o_mask = (offs_m[:, None] < M) & n_ok[None, :]
+        if OUT_F32:
+            tl.store(o_ptrs, acc0, mask=o_mask)
+        else:
+            tl.store(o_ptrs, acc0.to(tl.bfloat16), mask=o_mask)
+        if MT > 1:
+            m1 = BM + offs_m
+            o_ptrs1 = o_base + m1[:, None] * stride_om + offs_n[None, :]
+            o_mask1 = (m1[:, None] < M) & n_ok[None, :]
+            if OUT_F32:
+                tl.store(o_ptrs1, acc1, mask=o_mask1)
+            else:
+                tl.store(o_ptrs1, acc1.to(tl.bfloat16), mask=o_mask1)
+
+    return {"mm": mm_kernel}
+
+
+def kernels() -> dict[str, Any]:
+    if not _K:
+        _K.update(_build())
+    return _K
+
+
+def skinny_matmul(x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x: [M, K]`` (row stride free, unit column stride), ``w: [N, K]`` contiguous rows.
+
+    Returns ``[M, N]`` in bf16 when the plan does not split K, else fp32 partials ``[split, M, N]`` (add them in
+    index order with ``reduce_parts``). ``out`` (that shape and dtype) is written in place when given."""
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"skinny_matmul: x has {K} columns, the weight {w.shape[1]}")
+    if M > MAX_ROWS:
+        raise ValueError(f"skinny_matmul: {M} rows exceed the row-invariant path's {MAX_ROWS}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("skinny_matmul: x and w need a unit column stride")
+    p = plan or plan_for(N, K)
+    ks = p.k_split(K)
+    split = int(math.ceil(K / ks))
+    f32 = split > 1
+    if out is None:
+        out = torch.empty((split, M, N) if f32 else (M, N), dtype=torch.float32 if f32 else x.dtype,
+                          device=x.device)
+    stride_os = out.stride(0) if f32 else 0
+    stride_om = out.stride(1) if f32 else out.stride(0)
+    mt = 1 if M <= BM else 2
+    grid = (math.ceil(N / p.BN), split)
+    kernels()["mm"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om,
+                          BM=BM, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=(K % p.BK == 0 and ks % p.BK == 0),
+                          OUT_F32=f32, num_warps=p.warps, num_stages=p.stages)
+    return out
+
+
+def reduce_parts(parts: torch.Tensor) -> torch.Tensor:
+    """``[split, M, N]`` fp32 -> ``[M, N]`` fp32, adding the parts in index order (fixed for any M)."""
+    acc = parts[0].clone()
+    for s in range(1, parts.shape[0]):
+        acc += parts[s]
+    return acc
