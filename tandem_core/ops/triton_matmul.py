@@ -97,18 +97,17 @@ def _build() -> dict[str, Any]:
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < N
         k_lo = pid_s * K_SPLIT
-        k_hi = tl.minimum(k_lo + K_SPLIT, K)
         acc0 = tl.zeros((BM, BN), dtype=tl.float32)
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-        for k0 in range(k_lo, k_hi, BK):
-            kk = k0 + offs_k
+        for kr in range(0, K_SPLIT, BK):
+            kk = k_lo + kr + offs_k
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)          # w: [BN, BK]
                 x0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=offs_m[:, None] < M,
                              other=0.0)                                                   # x0: [BM, BK]
             else:
-                k_ok = kk < k_hi
+                k_ok = kk < K
                 w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
                              mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
@@ -120,7 +119,7 @@ def _build() -> dict[str, Any]:
                     x1 = tl.load(x_ptr + m1[:, None] * stride_xm + kk[None, :], mask=m1[:, None] < M, other=0.0)
                 else:
                     x1 = tl.load(x_ptr + m1[:, None] * stride_xm + kk[None, :],
-                                 mask=(m1[:, None] < M) & (kk < k_hi)[None, :], other=0.0)
+                                 mask=(m1[:, None] < M) & (kk < K)[None, :], other=0.0)
                 acc1 = tl.dot(x1, wt, acc1)
         o_base = out_ptr + pid_s * stride_os
         o_ptrs = o_base + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -173,7 +172,7 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan | None = No
     mt = 1 if M <= BM else 2
     grid = (math.ceil(N / p.BN), split)
     kernels()["mm"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om,
-                          BM=BM, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=(K % p.BK == 0 and ks % p.BK == 0),
+                          BM=BM, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=(ks * split == K and ks % p.BK == 0),
                           OUT_F32=f32, num_warps=p.warps, num_stages=p.stages)
     return out
 

@@ -1,0 +1,181 @@
+"""Speculative decoding: the plain loop's step, made of propose, verify, walk, commit, emit.
+
+``SpecDecode`` is ``Decode`` with one step replaced. The loop keeps one *pending* token:
+the model's own pick of the last round, already committed to the answer (it is the
+model's choice) but not yet in the engine. A round::
+
+    tree  = propose()            drafters continue prompt + answer; StairCut cuts the merged tree
+    out   = verify(tree)         one forward: the pending token as the root, the tree below it
+    path  = walk(tree, out)      the model's own picks, keyed by (seed, position), along the tree
+    commit(path)                 the engine keeps pending + accepted nodes; the answer gets them + one more
+    emit()                       the text now safe to send
+
+Every token the round yields is the model's own pick at its position, drawn exactly
+as the plain loop would draw it, and every verified row equals the decode row bit for
+bit (the engine's row invariance, checked at load by ``spec.selfcheck``): speculative
+output equals plain output token for token, greedy and seeded sampling alike. A round
+with nothing worth drafting is a plain decode step. A request with a grammar
+constraint decodes plainly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from tandem_core.drafter import Drafter
+from tandem_core.engine import TreeEngine
+from tandem_core.spec.cut import StairCut
+from tandem_core.spec.loop import Chunk, Decode
+from tandem_core.spec.sampler import Pick
+from tandem_core.spec.tree import TokenTree
+from tandem_core.spec.walk import WalkResult, walk_lazy
+
+__all__ = ["Speculation", "SpecStats", "SpecDecode"]
+
+
+@dataclass
+class SpecStats:
+    """Counts for /metrics and the log line: rounds, drafted and accepted nodes, tokens yielded."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    verify_ms: float = 0.0
+
+    def add(self, other: "SpecStats") -> None:
+        self.rounds += other.rounds
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.tokens += other.tokens
+        self.verify_ms += other.verify_ms
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class Speculation:
+    """One engine's speculation: its drafters (they keep this engine's session history) and its cut
+    (prices and calibration learnt on this engine)."""
+
+    drafters: Sequence[Drafter]
+    cut: StairCut
+    max_tree: int
+    totals: SpecStats = field(default_factory=SpecStats)
+
+
+class SpecDecode(Decode):
+    """``Decode`` with speculation. ``engine`` must be a ``TreeEngine`` (``caps.tree``)."""
+
+    def __init__(self, engine: Any, request: Any, detok: Any, *, speculation: Speculation, **kw: Any) -> None:
+        super().__init__(engine, request, detok, **kw)
+        self.spec = speculation
+        self.stats = SpecStats()
+        self.tree_engine: TreeEngine = engine
+        self._begun = False
+
+    def step(self) -> Chunk:
+        if self.constraint is not None or not self.pending:
+            return super().step()          # the first token (from the prefill's logits), or a grammar
+        if not self._begun:
+            self._begin()
+        tree = self.propose()              # drafters' proposals, merged and cut
+        out = self.verify(tree)            # [1 + N, V]: after pending, after each node
+        result = self.walk(tree, out)      # the model's own picks along the tree
+        self.commit_round(tree, result, out)
+        return self.emit()
+
+    # -- the round's parts ----------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        for d in self.spec.drafters:
+            d.begin(list(self.req.prompt))
+        self._begun = True
+
+    def _context(self) -> list[int]:
+        return [*self.req.prompt, *self.generated]
+
+    def propose(self) -> TokenTree:
+        context = self._context()
+        room = self.req.max_tokens - len(self.generated)  # drafted tokens past max_tokens are never kept
+        budget = min(self.spec.max_tree, max(room, 0))
+        if budget <= 0 or not self.spec.drafters:
+            return TokenTree.empty()
+        tree = TokenTree.merge(d.propose(context, budget) for d in self.spec.drafters)
+        if len(tree) == 0:
+            return tree
+        return self.spec.cut.cut(tree, len(context), budget).tree
+
+    def verify(self, tree: TokenTree) -> torch.Tensor:
+        (pending,) = self.pending
+        tokens = torch.tensor([pending, *tree.tokens], dtype=torch.long)          # [1 + N]
+        parents = torch.tensor([-1, *(p + 1 for p in tree.parents)], dtype=torch.long)
+        t0 = time.perf_counter()
+        logits = self.tree_engine.forward_tree(tokens, parents).logits             # [1 + N, V]
+        ms = (time.perf_counter() - t0) * 1e3
+        self.spec.cut.observe(len(tokens), len(self.req.prompt) + len(self.generated) - 1, ms)
+        self.stats.verify_ms += ms
+        return logits
+
+    def walk(self, tree: TokenTree, logits: torch.Tensor) -> WalkResult:
+        first = len(self.req.prompt) + len(self.generated)   # the position drawn after the pending token
+        depth = tree.depth
+        saved = Counter(self.sampler.counts)                 # penalties see the tokens the walk accepts
+        picks: dict[int, Pick] = {}
+
+        def pick(k: int) -> int:
+            if k >= 0:
+                self.sampler.accept(tree.tokens[k])
+            row, pos = (0, first) if k < 0 else (k + 1, first + depth[k])
+            picks[k] = self.sampler.pick(logits[row], pos)
+            return picks[k].token
+
+        try:
+            result = walk_lazy(tree, pick)
+        finally:
+            self.sampler.counts = saved
+        self._round_picks = [picks[-1], *(picks[k] for k in result.path_nodes)]
+        return result
+
+    def commit_round(self, tree: TokenTree, result: WalkResult, logits: torch.Tensor) -> None:
+        (pending,) = self.pending
+        path = [tree.tokens[k] for k in result.path_nodes]
+        self.tree_engine.commit_tree([0, *(k + 1 for k in result.path_nodes)])  # engine: + pending + path
+        before = len(self.generated)
+        self.commit(self._round_picks)      # the answer: + path + bonus, or fewer at a stop or max_tokens
+        kept = len(self.generated) - before
+        # like the plain loop, the engine holds every kept token but the last: pending + path[:kept - 1]
+        held = 1 + min(len(path), kept - 1)
+        if held < 1 + len(path):
+            self.tree_engine.trim_pending(1 + len(path) - held)
+        self.tree_engine.settle()
+        self.pending = self.pending[-1:] if self.finish is None else []
+        self.forwarded([pending, *path][:held])
+        for d in self.spec.drafters:
+            d.accepted([pending, *path])
+        self.spec.cut.observe_walk(tree, result.path_nodes)
+        self.stats.rounds += 1
+        self.stats.drafted += len(tree)
+        self.stats.accepted += len(path)
+        self.stats.tokens += kept
+
+    def forwarded(self, tokens: Sequence[int]) -> None:
+        """The engine now also holds ``tokens`` (a cache tier follows the sequence through this)."""
+        hook = self.on_forwarded
+        if hook is not None and tokens:
+            hook(list(tokens))
+
+    def finish_stats(self) -> SpecStats:
+        self.spec.totals.add(self.stats)
+        return self.stats
