@@ -44,6 +44,7 @@ class Capabilities:
     hidden_layers: tuple[int, ...] = ()  # layers whose hidden states a drafter may read
     device: str = "cpu"
     dtype: str = "fp32"
+    workspace_bytes_per_token: int = 0  # prefill scratch per row it runs (for the memory gate); 0: generic
 
 
 class MemoryPart(NamedTuple):

@@ -45,9 +45,16 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="module")
 def served(smollm2_path):
-    from tandem_llama.serving import serve
+    """The default model as ``tandem serve`` with no ``--model`` loads it: catalog -> loader -> the plugin."""
+    from tandem_core.loader import load_served
 
-    return serve(ServeArgs(model_id="smollm2-135m", path=smollm2_path, max_context=512), ServeContext())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_HOME", str(CACHE))
+        served = load_served(None, args=ServeArgs(model_id="", path=Path("."), max_context=512),
+                             ctx=ServeContext())
+    assert served.model_id == "smollm2-135m" and served.info["architecture"] == "llama"
+    assert Path(served.info["path"]) == smollm2_path
+    return served
 
 
 @pytest.fixture(scope="module")

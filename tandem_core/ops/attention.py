@@ -7,17 +7,33 @@
         o:    [T, Hq, D]     in q's dtype; scores and softmax in fp32
 
 Query head h reads key/value head ``h // (Hq // Hkv)``. ``causal_mask(start, T)``
-is the mask of T consecutive rows appended after ``start`` cached positions; a
-tree verify passes its own (each node sees the sequence and its ancestors).
+is the mask of T consecutive rows appended after ``start`` cached positions.
+
+    attention_tree(q, k, v, K, V, start, parents, scale) -> o
+        q:     [N, Hq, D]          the tree's queries; k, v: [N, Hkv, D] its keys and values
+        K, V:  [Hkv, cap, D]       the cache buffers; positions [0, start) hold the sequence
+        o:     [N, Hq, D]
+
+Node ``i`` at depth ``d`` attends over the sequence, its ancestors and itself,
+laid out as the decode step's cache would hold them after committing its path:
+positions ``0 .. start + d``. The nodes run in depth-first order, each writing its
+key and value at ``start + d`` (scratch past the sequence: ``K``/``V`` positions
+``start .. start + max depth`` are overwritten, nothing before ``start``), then
+calling ``attention`` for its one row over ``K[:, :start + d + 1]``, which is the
+decode step's call with the same operands, so its row equals the decode step's
+bit for bit.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from tandem_core.ops._tree import as_parents, depths, preorder
 from tandem_core.ops.act import softmax
 
-__all__ = ["attention", "causal_mask"]
+__all__ = ["attention", "causal_mask", "attention_tree"]
 
 
 def causal_mask(start: int, T: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -40,3 +56,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     p = softmax(scores).view(hkv, rep * T, S)
     o = p @ v.float()                                                   # o: [Hkv, rep*T, D]
     return o.view(hq, T, D).transpose(0, 1).to(q.dtype)
+
+
+def attention_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
+                   start: int, parents: torch.Tensor | Sequence[int], scale: float) -> torch.Tensor:
+    """Tree attention over the cache (see the module docstring). Writes ``K``/``V`` at positions
+    ``start .. start + max depth`` (past the sequence); returns ``o [N, Hq, D]`` in q's dtype."""
+    from tandem_core import ops
+
+    attend = ops.get("attention", q.device)
+    par = as_parents(parents)
+    depth = depths(par)
+    if start + max(depth) + 1 > K.shape[1]:
+        raise ValueError(f"attention_tree: positions up to {start + max(depth)} exceed the cache's "
+                         f"{K.shape[1]}")
+    out = torch.empty_like(q)
+    for i in preorder(par):
+        end = start + depth[i] + 1
+        K[:, end - 1] = k[i]
+        V[:, end - 1] = v[i]
+        mask = causal_mask(end - 1, 1, q.device)                       # [1, end]: the decode step's mask
+        out[i] = attend(q[i:i + 1], K[:, :end], V[:, :end], mask, scale)[0]
+    return out

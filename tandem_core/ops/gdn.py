@@ -24,14 +24,26 @@ starting state ``S0``, the writes solve a unit lower-triangular system
 
 and then ``o_i = exp(c_i) q_i S0 + sum_{j<=i} exp(c_i - c_j) (q_i.k_j) u_j`` and
 ``S_C = exp(c_C) S0 + sum_j exp(c_C - c_j) k_j u_j^T``. Every exponent is <= 0.
+
+``gdn_tree(q, k, v, g, beta, state, parents)`` runs the rule over a token tree:
+node ``i`` starts from its parent's state (``state`` for a node whose parent is
+-1), never from the node before it in index order. Each node is one call of the
+device's ``gdn_recurrent`` on one token, the decode step's own call, so a node's
+output equals the decode step's bit for bit. It returns the outputs only: a
+caller that commits a path recomputes the state along it with the same one-token
+calls (a per-node state for every layer would cost N states a layer).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["gdn_chunk", "gdn_recurrent"]
+from tandem_core.ops._tree import as_parents
+
+__all__ = ["gdn_chunk", "gdn_recurrent", "gdn_tree"]
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,3 +112,34 @@ def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         S = S * chunk_decay[:, n] + k_end[:, n].transpose(-1, -2) @ U
     out = out.reshape(H, N * chunk, -1)[:, :T].transpose(0, 1).contiguous()   # out: [T, H, Dv]
     return out, S
+
+
+def gdn_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor, parents: torch.Tensor | Sequence[int], *, scale: float) -> torch.Tensor:
+    """Node ``i`` of ``N`` (inputs ``[N, ...]`` as ``gdn_recurrent``'s) from its parent's state.
+
+    ``parents: [N]``, ``parents[i] < i`` or -1 (from ``state``). Returns ``o [N, Hv, Dv]`` fp32; mutates
+    nothing. A node's state is dropped once its last child has run (at most the live branches' states
+    are held).
+    """
+    from tandem_core import ops
+
+    step = ops.get("gdn_recurrent", q.device)
+    par = as_parents(parents)
+    left = [0] * len(par)                       # children still to run, per node
+    for p in par:
+        if p >= 0:
+            left[p] += 1
+    states: dict[int, torch.Tensor] = {}
+    outs = []
+    for i, p in enumerate(par):
+        o, S = step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1],
+                    state if p < 0 else states[p], scale=scale)
+        outs.append(o)
+        if p >= 0:
+            left[p] -= 1
+            if not left[p]:
+                del states[p]
+        if left[i]:
+            states[i] = S
+    return torch.cat(outs)

@@ -1,10 +1,15 @@
 """The FastAPI app: routes, authentication, and the bridge from the event loop to the engine threads.
 
 ``build_app(served, options)`` returns the ASGI app. Requests are checked and
-prepared off the event loop (``prepare``), admitted (``admission``), decoded in a
-worker thread per engine (``generate``), and answered whole or as server-sent
-events (``stream``). After each request: one log line (counts and times, never
+prepared off the event loop (``prepare``), admitted (``admission``, then the memory
+gate), decoded in a worker thread per engine (``generate``), through that engine's
+cache stack (``caches``), and answered whole or as server-sent events (``stream``).
+After each request: one log line (counts, times and where the prefill started, never
 text), one ledger row, and the metrics.
+
+The app's lifespan restores the spilled sessions at start (before the socket listens)
+and, at shutdown (SIGTERM/SIGINT through uvicorn), stops the running generations and
+spills every engine's session.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from tandem_core.cache.gate import MemoryGateError
 from tandem_core.server.admission import Admission, QueueFull, Slot, Ticket
+from tandem_core.server.caches import CacheOptions, ServerCaches, build_caches
 from tandem_core.server.fields import FieldError
 from tandem_core.server.generate import Outcome, run_job
 from tandem_core.server.grammar import Grammars
@@ -53,6 +60,7 @@ class ServerOptions:
     max_context: int = 8192
     ledger: Path | None = None          # None: no ledger
     wait_comment_s: float = 10.0        # TANDEM_WAIT_COMMENT_S
+    caches: CacheOptions | None = None  # None: no caches (every prefill cold)
 
 
 def _engines(served: Served, n: int) -> list[Any]:
@@ -75,13 +83,15 @@ class ServerState:
         self.served = served
         self.options = options
         engines = _engines(served, options.parallel)
+        self.caches: ServerCaches | None = (build_caches(served, engines, options.caches)
+                                            if options.caches is not None else None)
         self.admission = Admission(engines, options.queue)
         self.pool = ThreadPoolExecutor(len(engines), thread_name_prefix="tandem-engine")
         cap = served.engine.caps.max_context
         self.max_context = min(options.max_context, cap) if cap > 0 else options.max_context
         self.grammars = Grammars(served.tokenizer, served.stop_ids)
         self.ledger = Ledger(options.ledger) if options.ledger is not None else None
-        self.metrics = Metrics(self._gauges)
+        self.metrics = Metrics(self._gauges, self.caches.metric_lines if self.caches is not None else None)
         self.started = int(time.time())
         self.tokenizer_fingerprint = served.tokenizer.fingerprint()
         self.active: set[threading.Event] = set()
@@ -99,10 +109,16 @@ class ServerState:
         cancel = threading.Event()
         self.active.add(cancel)
 
+        caches = self.caches.engine(slot.index) if self.caches is not None else None
+
         def work() -> Outcome:
             t0 = time.perf_counter()
             try:
-                outcome = run_job(slot.engine, job, self.served, emit, cancel)
+                if caches is None:
+                    outcome = run_job(slot.engine, job, self.served, emit, cancel)
+                else:
+                    with caches.busy:
+                        outcome = run_job(slot.engine, job, self.served, emit, cancel, caches)
                 self.record(job, outcome, queued_s)
                 return outcome
             finally:
@@ -119,18 +135,36 @@ class ServerState:
         self.admission.served(held)
         self.admission.release(slot)
 
+    def admit(self, job: Job, slot: Slot) -> None:
+        """The memory gate before the request runs: ``MemoryGateError`` for a prompt that can never fit."""
+        if self.caches is not None:
+            self.caches.engine(slot.index).admit(job.decode.prompt)
+
+    def refused(self, job: Job, exc: MemoryGateError) -> None:
+        """The log line and metrics of a request the memory gate refused before it ran."""
+        log.info("req=%s endpoint=%s prompt=%d refused=memory_gate need=%d available=%d releasable=%d",
+                 job.rid, job.endpoint, len(job.decode.prompt), exc.need.total, exc.available, exc.releasable)
+        self.metrics.reject("memory_gate")
+
     def record(self, job: Job, out: Outcome, queued_s: float) -> None:
         """The request's log line, metrics and ledger row (counts and times, never text)."""
         now = time.perf_counter()
         ttft = None if out.t_first is None else out.t_first - job.t_arrival
         capped = f" capped_max_tokens={job.capped_from}->{job.decode.max_tokens}" if job.capped_from else ""
-        log.info("req=%s endpoint=%s prompt=%d completion=%d finish=%s ttft=%s decode=%s queued=%.2fs "
-                 "total=%.2fs%s%s", job.rid, job.endpoint, out.prompt_tokens, out.completion_tokens, out.finish,
-                 "-" if ttft is None else f"{ttft:.3f}s",
+        pre = out.prefill
+        prefill = "-" if pre is None else f"{pre.tier}:{pre.start}/{pre.total}"
+        log.info("req=%s endpoint=%s prompt=%d completion=%d finish=%s prefill=%s ttft=%s decode=%s "
+                 "queued=%.2fs total=%.2fs%s%s", job.rid, job.endpoint, out.prompt_tokens,
+                 out.completion_tokens, out.finish,
+                 prefill, "-" if ttft is None else f"{ttft:.3f}s",
                  "-" if out.decode_rate is None else f"{out.decode_rate:.1f}tok/s", queued_s, now - job.t_arrival,
                  capped, f" error={out.error.split(':')[0]}" if out.error else "")
+        if out.status == 507:
+            self.metrics.reject("memory_gate")
         self.metrics.request(job.endpoint, out.finish, out.prompt_tokens, out.completion_tokens, ttft,
                              out.decode_rate)
+        if pre is not None:
+            self.metrics.prefill(pre.tier, pre.start, pre.total)
         if self.ledger is not None:
             try:
                 self.ledger.write(UsageRow(
@@ -142,12 +176,29 @@ class ServerState:
             except Exception as exc:  # the ledger never fails a request
                 log.error("req=%s ledger write failed: %s", job.rid, exc)
 
+    def start(self) -> None:
+        """At start, before the socket listens: the spilled sessions become the engines' own again."""
+        if self.caches is not None:
+            self.caches.restore()
+
+    def stop(self) -> None:
+        """At shutdown: stop the running generations, then spill every engine's session."""
+        for ev in list(self.active):
+            ev.set()
+        if self.caches is not None:
+            try:
+                self.caches.save_sessions()
+            except Exception as exc:  # a failed spill leaves the previous one; the shutdown goes on
+                log.error("session spill failed: %s: %s", type(exc).__name__, exc)
+
     def close(self) -> None:
         for ev in list(self.active):
             ev.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.ledger is not None:
             self.ledger.close()
+        if self.caches is not None:
+            self.caches.close()
 
 
 # -- responses ---------------------------------------------------------------------------------------------
@@ -156,6 +207,15 @@ def _error(status: int, message: str, *, param: str | None = None, kind: str = "
            code: str | None = None, headers: dict[str, str] | None = None) -> Any:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
+
+
+def _prompt_field(job: Job) -> str:
+    return "messages" if job.endpoint == "chat" else "prompt"
+
+
+def _memory_error(job: Job, message: str) -> Any:
+    """507: the prompt does not fit under the memory gate (the message: what it needs, what there is)."""
+    return _error(507, message, param=_prompt_field(job), kind="server_error", code="memory_gate")
 
 
 def _json(body: Any) -> Any:
@@ -243,8 +303,12 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        state.close()
+        await asyncio.to_thread(state.start)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.stop)
+            state.close()
 
     app = FastAPI(title="TandemLLM", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.tandem = state
@@ -265,6 +329,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             "engine": {"device": eng.caps.device, "dtype": eng.caps.dtype, "max_context": state.max_context,
                        "engines": len(state.admission.slots), "busy": state.admission.busy,
                        "waiting": len(state.admission.waiting), "queue": state.admission.limit},
+            "caches": state.caches.health() if state.caches is not None else {"enabled": False},
             "info": info,
         })
 
@@ -302,14 +367,21 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
         try:
             if job.stream:
                 slot = await _wait_slot(request, ticket, options.wait_comment_s)
+                if slot is not None:
+                    await asyncio.to_thread(state.admit, job, slot)
                 return _GuardedStream(streamed(job, ticket, slot, t_queue), lambda: state.admission.leave(ticket),
                                       media_type="text/event-stream",
                                       headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
             slot = await _wait_slot(request, ticket, None)
             assert slot is not None
+            await asyncio.to_thread(state.admit, job, slot)
         except ClientGone:
             state.admission.leave(ticket)
             return _error(499, "the client closed the request while it waited", kind="client_closed")
+        except MemoryGateError as exc:
+            state.admission.leave(ticket)
+            state.refused(job, exc)
+            return _memory_error(job, str(exc))
         except BaseException:
             state.admission.leave(ticket)
             raise
@@ -333,6 +405,8 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             if not fut.done():
                 cancel.set()
         out = fut.result()
+        if out.finish == "error" and out.status == 507:
+            return _memory_error(job, out.error or "memory gate")
         if out.finish == "error":
             return _error(500, f"generation failed: {out.error}", kind="server_error")
         usage = Usage(out.prompt_tokens, out.completion_tokens, out.reasoning_tokens)
@@ -341,11 +415,20 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
     async def streamed(job: Job, ticket: Ticket, slot: Slot | None, t_queue: float) -> AsyncIterator[bytes]:
         cancel: threading.Event | None = None
         try:
-            while slot is None:
-                yield sse_comment(_wait_line(state, ticket))
-                done, _ = await asyncio.wait({ticket.slot}, timeout=options.wait_comment_s)
-                if done:
-                    slot = ticket.slot.result()
+            if slot is None:
+                while slot is None:
+                    yield sse_comment(_wait_line(state, ticket))
+                    done, _ = await asyncio.wait({ticket.slot}, timeout=options.wait_comment_s)
+                    if done:
+                        slot = ticket.slot.result()
+                try:
+                    await asyncio.to_thread(state.admit, job, slot)
+                except MemoryGateError as exc:
+                    state.refused(job, exc)
+                    yield sse({"error": {"message": str(exc), "type": "server_error",
+                                         "param": _prompt_field(job), "code": "memory_gate"}})
+                    yield SSE_DONE
+                    return
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Delta | None] = asyncio.Queue()
             fut, cancel = state.launch(job, slot, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d),
@@ -362,7 +445,10 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             while (d := await queue.get()) is not None:
                 yield sse(chunks.delta(d))
             out = fut.result()
-            if out.finish == "error":
+            if out.finish == "error" and out.status == 507:
+                yield sse({"error": {"message": out.error, "type": "server_error",
+                                     "param": _prompt_field(job), "code": "memory_gate"}})
+            elif out.finish == "error":
                 yield sse({"error": {"message": f"generation failed: {out.error}", "type": "server_error",
                                      "param": None, "code": None}})
             else:

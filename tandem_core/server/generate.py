@@ -1,10 +1,16 @@
 """Running one job on one engine (in a worker thread), turning decode chunks into answer deltas.
 
-``run_job(engine, job, served, emit, cancel)`` decodes, reads the text through the
-model's output parser (reasoning, tool calls) and calls ``emit(delta)`` for every
-step that adds something. It returns an ``Outcome``: counts, finish reason and
-times. It never raises for a decode error: the outcome says ``error`` and the log
-line names the exception type (never the text).
+``run_job(engine, job, served, emit, cancel, caches)`` decodes, reads the text through
+the model's output parser (reasoning, tool calls) and calls ``emit(delta)`` for every
+step that adds something. It returns an ``Outcome``: counts, finish reason, times and
+where the prefill started. It never raises for a decode error: the outcome says
+``error`` and the log line names the exception type (never the text).
+
+With ``caches`` (the engine's ``server.caches.EngineCaches``) the prefill goes through the
+cache stack and the stack follows every token the engine commits; the generation's end
+anchors the session, also when it was cancelled. A prompt the memory gate refuses
+fails alone (``status`` 507, the gate's message with the sizes) and leaves the engine's
+session as it was; any other error forgets it (the engine's buffers cannot be trusted).
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from tandem_core.cache.base import PrefillStart
+from tandem_core.cache.gate import MemoryGateError
 from tandem_core.engine import Engine
+from tandem_core.server.caches import EngineCaches
 from tandem_core.server.prepare import Job
 from tandem_core.server.stream import Delta, TokenLogprob, ToolDelta
 from tandem_core.serving import Served, Tokenizer
@@ -35,6 +44,8 @@ class Outcome:
     t_first: float | None       # perf_counter of the first token
     decode_rate: float | None   # tokens/s after the first
     error: str | None = None    # the exception's type and message when finish is "error"
+    prefill: PrefillStart | None = None  # where the prefill started (None: it did not run)
+    status: int = 500           # the HTTP status of an error (507: refused by the memory gate)
 
 
 def token_logprobs(tok: Tokenizer, picks: Sequence[Pick], stop_ids: frozenset[int]) -> list[TokenLogprob]:
@@ -84,45 +95,60 @@ class _Reader:
 
 
 def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], None],
-            cancel: threading.Event) -> Outcome:
+            cancel: threading.Event, caches: EngineCaches | None = None) -> Outcome:
     from tandem_core.server.detok import StreamDetokenizer
 
     req = job.decode
-    dec = Decode(engine, req, StreamDetokenizer(served.tokenizer), constraint=job.constraint, cancel=cancel)
+    hooks = caches.decode_hooks() if caches is not None else {}
+    dec = Decode(engine, req, StreamDetokenizer(served.tokenizer), constraint=job.constraint, cancel=cancel,
+                 **hooks)
     reader = _Reader(job) if job.parse is not None else None
     reasoning_tokens = 0
     finish = None
+
+    def started() -> PrefillStart | None:
+        return caches.last if caches is not None else PrefillStart("cold", 0, len(req.prompt))
+
+    chunks = dec.run()
     try:
-        for chunk in dec.run():
-            delta = Delta()
-            if reader is not None:
-                reader.read(reader.parser.feed(chunk.text) if chunk.text else [], delta)
-                if chunk.finish is not None and chunk.finish != FINISH_CANCELLED:
-                    reader.read(reader.parser.finish(), delta)
-                if delta.reasoning and not delta.content and not delta.tool_calls:
-                    reasoning_tokens += len(chunk.tokens)
-            else:
-                delta.content = chunk.text
-            if job.logprobs:
-                delta.logprobs = token_logprobs(served.tokenizer, chunk.picks, req.stop_ids)
-            if not delta.empty():
-                emit(delta)
-            if chunk.finish is not None:
-                finish = chunk.finish
-            elif reader is not None and not job.parallel_tool_calls and reader.calls_ended:
-                # one call asked for, and it is complete: the answer ends here
-                tail = Delta()
-                reader.read(reader.parser.finish(), tail)
-                if not tail.empty():
-                    emit(tail)
-                finish = FINISH_STOP
-                break
+        try:
+            for chunk in chunks:
+                delta = Delta()
+                if reader is not None:
+                    reader.read(reader.parser.feed(chunk.text) if chunk.text else [], delta)
+                    if chunk.finish is not None and chunk.finish != FINISH_CANCELLED:
+                        reader.read(reader.parser.finish(), delta)
+                    if delta.reasoning and not delta.content and not delta.tool_calls:
+                        reasoning_tokens += len(chunk.tokens)
+                else:
+                    delta.content = chunk.text
+                if job.logprobs:
+                    delta.logprobs = token_logprobs(served.tokenizer, chunk.picks, req.stop_ids)
+                if not delta.empty():
+                    emit(delta)
+                if chunk.finish is not None:
+                    finish = chunk.finish
+                elif reader is not None and not job.parallel_tool_calls and reader.calls_ended:
+                    # one call asked for, and it is complete: the answer ends here
+                    tail = Delta()
+                    reader.read(reader.parser.finish(), tail)
+                    if not tail.empty():
+                        emit(tail)
+                    finish = FINISH_STOP
+                    break
+        finally:
+            chunks.close()      # a generation left early still ends (its end anchor)
+    except MemoryGateError as exc:  # refused before the engine was touched: the session stays
+        log.warning("req=%s %s", job.rid, exc)
+        return Outcome("error", len(req.prompt), 0, 0, None, None, str(exc), None, 507)
     except Exception as exc:  # the log names the failure, never the text
         log.exception("req=%s decode failed: %s", job.rid, type(exc).__name__)
+        if caches is not None:
+            caches.forget()
         return Outcome("error", len(req.prompt), dec.completion_tokens, reasoning_tokens, dec.t_first,
-                       dec.decode_rate(), f"{type(exc).__name__}: {exc}")
+                       dec.decode_rate(), f"{type(exc).__name__}: {exc}", caches.last if caches else None)
     assert finish is not None
     if finish == FINISH_STOP and reader is not None and reader.calls_ended:
         finish = "tool_calls"
-    return Outcome(finish, len(req.prompt), dec.completion_tokens, reasoning_tokens, dec.t_first, dec.decode_rate())
-
+    return Outcome(finish, len(req.prompt), dec.completion_tokens, reasoning_tokens, dec.t_first,
+                   dec.decode_rate(), prefill=started())

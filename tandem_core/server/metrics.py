@@ -1,15 +1,17 @@
 """Server metrics in the Prometheus text format (``GET /metrics``).
 
 Counters of requests (by endpoint and finish reason), refusals, prompt and
-completion tokens; histograms of time to first token and decode rate; gauges of
-the queue and the busy engines (read from admission when rendered).
+completion tokens, prefills by where they started and the prompt tokens they reused
+or forwarded; histograms of time to first token and decode rate; gauges of the queue
+and the busy engines (read from admission when rendered); and whatever ``extra``
+renders when asked (the caches' tiers and memory gate, ``server.caches``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Callable
+from typing import Callable, Sequence
 
 __all__ = ["Metrics"]
 
@@ -38,8 +40,12 @@ class _Histogram:
 
 
 class Metrics:
-    def __init__(self, gauges: Callable[[], dict[str, float]] | None = None) -> None:
+    def __init__(self, gauges: Callable[[], dict[str, float]] | None = None,
+                 extra: Callable[[], Sequence[str]] | None = None) -> None:
         self._lock = threading.Lock()
+        self.prefills: Counter[str] = Counter()
+        self.prefill_tokens: Counter[str] = Counter()
+        self._extra = extra or (lambda: ())
         self.requests: Counter[tuple[str, str]] = Counter()
         self.rejected: Counter[str] = Counter()
         self.prompt_tokens = 0
@@ -58,6 +64,13 @@ class Metrics:
                 self.ttft.observe(ttft)
             if rate is not None:
                 self.rate.observe(rate)
+
+    def prefill(self, tier: str, start: int, total: int) -> None:
+        """A prefill that started at ``start`` of ``total`` tokens, from ``tier`` (``cold``: none reused)."""
+        with self._lock:
+            self.prefills[tier] += 1
+            self.prefill_tokens["reused"] += start
+            self.prefill_tokens["forwarded"] += total - start
 
     def reject(self, reason: str) -> None:
         with self._lock:
@@ -81,7 +94,15 @@ class Metrics:
                     "# TYPE tandem_ttft_seconds histogram", *self.ttft.lines("tandem_ttft_seconds"),
                     "# HELP tandem_decode_tokens_per_second Decode rate after the first token, per request.",
                     "# TYPE tandem_decode_tokens_per_second histogram",
-                    *self.rate.lines("tandem_decode_tokens_per_second")]
+                    *self.rate.lines("tandem_decode_tokens_per_second"),
+                    "# HELP tandem_prefills_total Prefills by where they started (resident, store, disk...).",
+                    "# TYPE tandem_prefills_total counter"]
+            out += [f'tandem_prefills_total{{start="{t}"}} {n}' for t, n in sorted(self.prefills.items())]
+            out += ["# HELP tandem_prefill_tokens_total Prompt tokens reused from a cache or forwarded.",
+                    "# TYPE tandem_prefill_tokens_total counter"]
+            out += [f'tandem_prefill_tokens_total{{part="{k}"}} {self.prefill_tokens[k]}'
+                    for k in ("reused", "forwarded")]
         for name, value in self._gauges().items():
             out += [f"# TYPE tandem_{name} gauge", f"tandem_{name} {value}"]
+        out += list(self._extra())
         return "\n".join(out) + "\n"

@@ -123,18 +123,25 @@ class Decode:
 
     ``engine`` is held for the whole decode; ``detok`` turns committed ids into text;
     ``constraint`` (optional) masks the sampler; ``cancel`` is read before each step;
-    ``on_first_token`` is called once, when the first token is committed (time to first token).
+    ``start`` is the prefill (``prefill``, or a cache stack's ``start``: same signature);
+    ``on_forwarded(tokens)`` is told each time the engine appended committed tokens after the
+    prefill (a cache tier follows the sequence through it); ``on_end()`` is called once when the
+    generation ends without an error (a finish, a cancel, or the caller closing ``run()``).
     """
 
     def __init__(self, engine: Engine, request: DecodeRequest, detok: Detokenizer, *,
                  constraint: Constraint | None = None, cancel: threading.Event | None = None,
-                 start: Callable[[Engine, Sequence[int]], torch.Tensor] = prefill) -> None:
+                 start: Callable[[Engine, Sequence[int]], torch.Tensor] = prefill,
+                 on_forwarded: Callable[[Sequence[int]], None] | None = None,
+                 on_end: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.req = request
         self.detok = detok
         self.constraint = constraint
         self.cancel = cancel or threading.Event()
         self.start = start
+        self.on_forwarded = on_forwarded
+        self.on_end = on_end
         self.sampler = Sampler(request.sampling)
         self.stops = StopStrings(request.stop_strings)
         self.generated: list[int] = []
@@ -148,6 +155,18 @@ class Decode:
     # -- the loop -------------------------------------------------------------------------------------
 
     def run(self) -> Iterator[Chunk]:
+        try:
+            yield from self._run()
+        except GeneratorExit:
+            self._ended()
+            raise
+        self._ended()
+
+    def _ended(self) -> None:
+        if self.on_end is not None:
+            self.on_end()
+
+    def _run(self) -> Iterator[Chunk]:
         with torch.inference_mode():
             self._logits = self.start(self.engine, self.req.prompt)  # [1, V]
             while self.finish is None:
@@ -170,8 +189,14 @@ class Decode:
             ids = torch.tensor(self.pending, dtype=torch.long)  # [P]
             self.pending = []
             self._logits = self.engine.forward(ids)
+            self.forwarded(ids.tolist())
         assert self._logits is not None
         return self._logits
+
+    def forwarded(self, tokens: Sequence[int]) -> None:
+        """The engine now also holds ``tokens`` (a cache tier follows the sequence through this)."""
+        if self.on_forwarded is not None and tokens:
+            self.on_forwarded(list(tokens))
 
     def sample(self, logits: torch.Tensor) -> list[Pick]:
         row = logits[-1]  # [V]

@@ -172,8 +172,8 @@ class Q8_0Weight(GGMLWeight):
     def _dequant(self, raw: torch.Tensor) -> torch.Tensor:
         n = raw.shape[0]
         b = raw.reshape(n, -1, 34)
-        d = b[..., :2].contiguous().view(torch.float16).to(torch.float32)     # [n, nb, 1]
-        q = b[..., 2:].contiguous().view(torch.int8).to(torch.float32)        # [n, nb, 32]
+        d = b[..., :2].view(torch.float16).to(torch.float32)                  # [n, nb, 1]
+        q = b[..., 2:].view(torch.int8).to(torch.float32)                     # [n, nb, 32]
         return q.mul_(d).reshape(n, -1)
 
 
@@ -187,11 +187,12 @@ class Q4_1Weight(GGMLWeight):
     def _dequant(self, raw: torch.Tensor) -> torch.Tensor:
         n = raw.shape[0]
         b = raw.reshape(n, -1, 20)
-        d = b[..., 0:2].contiguous().view(torch.float16).to(torch.float32)    # [n, nb, 1]
-        m = b[..., 2:4].contiguous().view(torch.float16).to(torch.float32)    # [n, nb, 1]
+        dm = b[..., 0:4].view(torch.float16).to(torch.float32)                 # [n, nb, 2]: d, m
         qs = b[..., 4:]                                                        # [n, nb, 16]
-        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.float32)          # [n, nb, 32]
-        return q.mul_(d).add_(m).reshape(n, -1)                                # (d * q) + m, two roundings
+        q = torch.empty(*qs.shape[:-1], 32, dtype=torch.float32)               # [n, nb, 32]
+        torch.bitwise_and(qs, 0x0F, out=q[..., :16])                           # low nibbles: weights 0-15
+        torch.bitwise_right_shift(qs, 4, out=q[..., 16:])                      # high nibbles: 16-31
+        return q.mul_(dm[..., 0:1]).add_(dm[..., 1:2]).reshape(n, -1)          # (d * q) + m, two roundings
 
 
 class RowConcat:

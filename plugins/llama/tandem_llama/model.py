@@ -102,9 +102,10 @@ class LlamaEngine:
         self.caps = Capabilities(tree=False, resume=False, recurrent=False, max_context=self.max_context,
                                  max_tree=0, hidden_layers=(), device=device, dtype="fp32")
         L, nkv, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        # the KV buffers: [L, n_kv, max_ctx, head_dim], token axis 2
-        self.k_cache = torch.zeros(L, nkv, self.max_context, hd, dtype=torch.float32)
-        self.v_cache = torch.zeros(L, nkv, self.max_context, hd, dtype=torch.float32)
+        # the KV buffers: [L, n_kv, max_ctx, head_dim], token axis 2. Positions past the sequence's length
+        # are never read, so the buffers start uninitialised (their pages are touched as the sequence grows).
+        self.k_cache = torch.empty(L, nkv, self.max_context, hd, dtype=torch.float32)
+        self.v_cache = torch.empty(L, nkv, self.max_context, hd, dtype=torch.float32)
         self._state = ModelState({}, {"K": View(self.k_cache, 2), "V": View(self.v_cache, 2)}, 0)
         self.kv = _KV(self._state)
         self.cos, self.sin = rope_tables(cfg, self.max_context, weights.rope_freqs)
