@@ -45,6 +45,7 @@ class Capabilities:
     device: str = "cpu"
     dtype: str = "fp32"
     workspace_bytes_per_token: int = 0  # prefill scratch per row it runs (for the memory gate); 0: generic
+    trace: bool = False         # trace_forward / trace_tree: per-layer rows (spec.selfcheck.LayerTrace)
 
 
 class MemoryPart(NamedTuple):

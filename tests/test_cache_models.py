@@ -110,16 +110,13 @@ def model(request) -> Model:
 
 # -- helpers -------------------------------------------------------------------------------------------
 
-def cold(model: Model, engine, prompt: list[int], rest: list[int]) -> torch.Tensor:
-    """A cold prefill of ``prompt``, then ``rest``: logits ``[1 + len(rest), V]`` (checked: transformers)."""
+def cold(engine, prompt: list[int], rest: list[int]) -> torch.Tensor:
+    """A cold prefill of ``prompt``, then ``rest``: logits ``[1 + len(rest), V]``."""
     engine.reset()
     with torch.inference_mode():
         first = engine.forward(torch.tensor(prompt))
         after = engine.forward(torch.tensor(rest), all_logits=True)
-    out = torch.cat([first, after])
-    want = model.reference_logits(prompt + rest)[len(prompt) - 1:]
-    assert rel(out, want) < 1e-4, f"{model.name}: the cold prefill differs from transformers"
-    return out
+    return torch.cat([first, after])
 
 
 def continued(engine, logits: torch.Tensor, rest: list[int]) -> torch.Tensor:
@@ -155,6 +152,14 @@ def check(model: Model, got: torch.Tensor, want: torch.Tensor, where: str) -> fl
 
 # -- the tiers -----------------------------------------------------------------------------------------
 
+def test_the_cold_prefill_is_the_reference_models(model):
+    """What every tier is compared with: a cold prefill, itself within 1e-4 of transformers."""
+    prompt, rest = ids(300, model.vocab, 51), ids(REST, model.vocab, 52)
+    got = cold(model.load(), prompt, rest)
+    want = model.reference_logits(prompt + rest)[len(prompt) - 1:]
+    assert rel(got, want) < 1e-4, f"{model.name}: the cold prefill differs from transformers"
+
+
 def test_resident_end_anchor_and_grid_anchor_equal_cold(model):
     engine, ref_engine = model.load(), model.load()
     stack = CacheStack(ResidentPrefix(EVERY), chunk=CHUNK)
@@ -171,12 +176,12 @@ def test_resident_end_anchor_and_grid_anchor_equal_cold(model):
     out = prefill(stack, engine, p2)
     want = f"resident anchor at 307 of {len(p2)}" if engine.state.sections else f"resident 307 of {len(p2)}"
     assert out.start.describe() == want
-    check(model, continued(engine, out.logits, rest), cold(model, ref_engine, p2, rest), "resident end")
+    check(model, continued(engine, out.logits, rest), cold(ref_engine, p2, rest), "resident end")
     # a prompt that diverges at 150 resumes at the grid anchor at 128 (a model without sections: at 150)
     p3 = p2[:150] + ids(60, model.vocab, 4)
     out = prefill(stack, engine, p3)
     assert out.start.start == (128 if engine.state.sections else 150)
-    check(model, continued(engine, out.logits, rest), cold(model, ref_engine, p3, rest), "resident grid")
+    check(model, continued(engine, out.logits, rest), cold(ref_engine, p3, rest), "resident grid")
 
 
 def test_store_restore_equals_cold(model):
@@ -192,7 +197,7 @@ def test_store_restore_equals_cold(model):
     rest = ids(REST, model.vocab, 14)
     out = prefill(stack, engine, a2)
     assert out.start.describe() == f"store 265 of {len(a2)}" and store.stats().hits == 1
-    check(model, continued(engine, out.logits, rest), cold(model, ref_engine, a2, rest), "store")
+    check(model, continued(engine, out.logits, rest), cold(ref_engine, a2, rest), "store")
 
 
 def test_disk_restore_after_reopening_equals_cold(model, tmp_path):
@@ -210,7 +215,7 @@ def test_disk_restore_after_reopening_equals_cold(model, tmp_path):
     rest = ids(REST, model.vocab, 23)
     out = prefill(stack2, fresh, a2)
     assert out.start.describe() == f"disk 285 of {len(a2)}" and reopened.stats().hits == 1
-    check(model, continued(fresh, out.logits, rest), cold(model, ref_engine, a2, rest), "disk")
+    check(model, continued(fresh, out.logits, rest), cold(ref_engine, a2, rest), "disk")
     # a prompt diverging inside the stored sequence resumes at one of its anchors (or at the divergence)
     a3 = a[:200] + ids(30, model.vocab, 24)
     out = prefill(CacheStack(ResidentPrefix(EVERY), [reopened], chunk=CHUNK), model.load(), a3)
@@ -250,7 +255,7 @@ def test_spill_after_a_restart_equals_cold(model, tmp_path):
         logits = caches2.engine(0).start(fresh, a2)
     start = caches2.engine(0).last
     assert start is not None and (start.tier, start.start) == ("resident", 296)
-    check(model, continued(fresh, logits, rest), cold(model, ref_engine, a2, rest), "spill")
+    check(model, continued(fresh, logits, rest), cold(ref_engine, a2, rest), "spill")
     caches2.close()
 
 

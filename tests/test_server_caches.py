@@ -254,8 +254,11 @@ def test_agent_session_resumes_at_the_end_anchor_and_through_a_restart(servers, 
         msg = str(err.value)
         assert f"a prompt of {LONG} tokens needs {gate['long']} bytes" in msg
         assert "available under the declared peak" in msg
+        with pytest.raises(openai.APIStatusError) as err:       # streamed: refused before the stream opens
+            again.client.completions.create(model="tiny", prompt=ids(LONG, 8), max_tokens=4, stream=True)
+        assert err.value.status_code == 507 and "needs" in str(err.value)
         assert "refused=memory_gate" in again.log()
-        assert 'tandem_rejected_total{reason="memory_gate"} 1' in again.metrics()
+        assert 'tandem_rejected_total{reason="memory_gate"} 2' in again.metrics()
         # and the session goes on
         nxt = prompt + answer + ids(40, 20)
         answer2, finish2, rid = again.complete(nxt)

@@ -225,6 +225,8 @@ def report(model: str, path: Path, off: list[Turn], on: list[Turn], threads: int
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
         f"- Date: {time.strftime('%Y-%m-%d %H:%M')}; command: `{command}`",
         f"- The answers of the two runs are {'identical' if same else 'NOT identical'} turn for turn.",
+        "- The token counts are exact; the times depend on what else ran on the CPU (the load average "
+        "above: a load over the core count means other processes shared it, and the times are noisy).",
         "",
         "Time to first token is the client's: from sending the request to the first content chunk (the "
         "prefill, the first decode step, and the HTTP and template work). *Start* is where the cached "

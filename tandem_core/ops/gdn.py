@@ -25,13 +25,17 @@ starting state ``S0``, the writes solve a unit lower-triangular system
 and then ``o_i = exp(c_i) q_i S0 + sum_{j<=i} exp(c_i - c_j) (q_i.k_j) u_j`` and
 ``S_C = exp(c_C) S0 + sum_j exp(c_C - c_j) k_j u_j^T``. Every exponent is <= 0.
 
+``gdn_recurrent`` over T tokens is, token by token, its one-token call (the
+decode step): the same operations on the same shapes, so its outputs and state
+equal T chained one-token calls bit for bit. A kernel registered for it keeps
+that; the tree form and the commit of a path rely on it.
+
 ``gdn_tree(q, k, v, g, beta, state, parents)`` runs the rule over a token tree:
 node ``i`` starts from its parent's state (``state`` for a node whose parent is
--1), never from the node before it in index order. Each node is one call of the
-device's ``gdn_recurrent`` on one token, the decode step's own call, so a node's
-output equals the decode step's bit for bit. It returns the outputs only: a
-caller that commits a path recomputes the state along it with the same one-token
-calls (a per-node state for every layer would cost N states a layer).
+-1), never from the node before it in index order, through the device's
+``gdn_recurrent``, so a node's output equals the decode step's bit for bit. It
+returns the outputs only: a caller that commits a path recomputes the state
+along it (a per-node state for every layer would cost N states a layer).
 """
 
 from __future__ import annotations
@@ -119,27 +123,36 @@ def gdn_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     """Node ``i`` of ``N`` (inputs ``[N, ...]`` as ``gdn_recurrent``'s) from its parent's state.
 
     ``parents: [N]``, ``parents[i] < i`` or -1 (from ``state``). Returns ``o [N, Hv, Dv]`` fp32; mutates
-    nothing. A node's state is dropped once its last child has run (at most the live branches' states
-    are held).
+    nothing. A run of nodes each the only child of the one before (a chain, or a stretch of one) is one
+    ``gdn_recurrent`` call over those tokens, which equals their one-token calls bit for bit (the
+    recurrent form's contract: token t's arithmetic is the one-token call's). A node's state is dropped
+    once its last child has run.
     """
     from tandem_core import ops
 
     step = ops.get("gdn_recurrent", q.device)
     par = as_parents(parents)
-    left = [0] * len(par)                       # children still to run, per node
+    N = len(par)
+    left = [0] * N                              # children still to run, per node
     for p in par:
         if p >= 0:
             left[p] += 1
     states: dict[int, torch.Tensor] = {}
     outs = []
-    for i, p in enumerate(par):
-        o, S = step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1],
+    i = 0
+    while i < N:
+        j = i                                   # the run i..j: each the only child of the one before
+        while j + 1 < N and par[j + 1] == j and left[j] == 1:
+            j += 1
+        p = par[i]
+        o, S = step(q[i:j + 1], k[i:j + 1], v[i:j + 1], g[i:j + 1], beta[i:j + 1],
                     state if p < 0 else states[p], scale=scale)
         outs.append(o)
         if p >= 0:
             left[p] -= 1
             if not left[p]:
                 del states[p]
-        if left[i]:
-            states[i] = S
+        if left[j]:
+            states[j] = S
+        i = j + 1
     return torch.cat(outs)

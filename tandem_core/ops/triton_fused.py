@@ -86,8 +86,8 @@ def _build() -> dict[str, Any]:
         tl.store(out_ptr + r * stride_outr + h * D + offs, y.to(tl.bfloat16), mask=ok)
 
     @triton.jit
-    def conv_tree_kernel(raw_ptr, tail_ptr, w_ptr, win_ptr, out_ptr, keep_ptr, n_ptr, C, QK_HEADS,
-                         stride_raw, stride_out, stride_keep, eps,
+    def conv_tree_kernel(raw_ptr, tail_ptr, w_ptr, win_ptr, out_ptr, n_ptr, C, QK_HEADS,
+                         stride_raw, stride_out, eps,
                          KW: tl.constexpr, DH: tl.constexpr, BLOCK: tl.constexpr):
         # one (node i, head-sized channel group g): y = silu(sum_k w[c,k] * x_k) over the node's window
         # x_0..x_{KW-2} = win[i, k] < KW-1 ? tail[c, win] : raw[win - (KW-1), c]; x_{KW-1} = raw[i, c]
@@ -99,7 +99,6 @@ def _build() -> dict[str, Any]:
             c = g * DH + offs
             ok = (offs < DH) & (c < C)
             xi = tl.load(raw_ptr + i * stride_raw + c, mask=ok, other=0.0)                  # bf16
-            tl.store(keep_ptr + i * stride_keep + c, xi, mask=ok)
             y = tl.zeros((BLOCK,), dtype=tl.float32)
             for k in tl.static_range(KW - 1):
                 src = tl.load(win_ptr + i * (KW - 1) + k)
@@ -115,7 +114,7 @@ def _build() -> dict[str, Any]:
                 else:
                     y = y + x * wk
             y = y + xi.to(tl.float32) * tl.load(w_ptr + c * KW + (KW - 1), mask=ok, other=0.0)
-            y = y / (1.0 + tl.exp(-y))
+            y = (y / (1.0 + tl.exp(-y))).to(tl.bfloat16).to(tl.float32)    # the reference rounds the conv output
             if g < QK_HEADS:
                 y = y / tl.sqrt(tl.sum(tl.where(ok, y * y, 0.0), 0) + eps)
             tl.store(out_ptr + i * stride_out + c, y, mask=ok)
@@ -249,23 +248,23 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 
 
 def conv_tree(raw: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, win: torch.Tensor, n: torch.Tensor,
-              out: torch.Tensor, keep: torch.Tensor, head_dim: int, qk_heads: int, rows: int,
+              out: torch.Tensor, head_dim: int, qk_heads: int, rows: int,
               eps: float = 1e-6) -> torch.Tensor:
     """Conv + silu for ``rows`` nodes (those ``< n[0]`` computed). ``raw: [rows, >= C]`` bf16 (the projection's
     output, row-strided), ``tail: [C, K-1]`` bf16, ``weight: [C, K]`` fp32, ``win: [rows, K-1]`` int32 (each
     entry ``< K-1``: a tail column; else ``K-1 + node``), ``out: [rows, C]`` fp32 (q and k heads L2-normalised:
-    the first ``qk_heads`` groups of ``head_dim`` channels), ``keep: [rows, C]`` bf16 (the raw inputs, for
-    the commit)."""
+    the first ``qk_heads`` groups of ``head_dim`` channels)."""
     C, KW = weight.shape
     groups = (C + head_dim - 1) // head_dim
-    kernels()["conv_tree"][(rows, groups)](raw, tail, weight, win, n, out, keep, C, qk_heads, raw.stride(0),
-                                           out.stride(0), keep.stride(0), float(eps), KW=KW, DH=head_dim,
+    kernels()["conv_tree"][(rows, groups)](raw, tail, weight, win, n, out, C, qk_heads, raw.stride(0),
+                                           out.stride(0), float(eps), KW=KW, DH=head_dim,
                                            BLOCK=next_pow2(head_dim), num_warps=1)
     return out
 
 
 def conv_commit(tails: torch.Tensor, keep: torch.Tensor, path: torch.Tensor, d: torch.Tensor) -> None:
-    """``tails: [L, C, K-1]`` bf16, ``keep: [L, rows, C]`` bf16, ``path: [>= d]`` int32 node indices,
+    """``tails: [L, C, K-1]`` bf16, ``keep: [L, rows, >= C]`` bf16 (each layer's raw conv inputs, row-strided),
+    ``path: [>= d]`` int32 node indices,
     ``d: [1]`` int32 (path length): every layer's tail moves along the committed path."""
     Ly, C, K1 = tails.shape
     BLOCK = 512

@@ -85,11 +85,11 @@ def _build() -> dict[str, Any]:
 
     tl = _tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om,
                   BM: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   EVEN_K: tl.constexpr, OUT_F32: tl.constexpr):
-        # one program: BN output columns, one K part, every row (MT tiles of BM rows)
+        # one program: BN output columns, one K part, every row (MT tiles of BM rows sharing each weight tile)
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -97,45 +97,40 @@ def _build() -> dict[str, Any]:
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < N
         k_lo = pid_s * K_SPLIT
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+        m0_ok = offs_m[:, None] < M
+        m1_ok = (BM + offs_m)[:, None] < M
         acc0 = tl.zeros((BM, BN), dtype=tl.float32)
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-        for kr in range(0, K_SPLIT, BK):
-            kk = k_lo + kr + offs_k
+        for kr in range(0, tl.cdiv(K_SPLIT, BK)):
             if EVEN_K:
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)          # w: [BN, BK]
-                x0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=offs_m[:, None] < M,
-                             other=0.0)                                                   # x0: [BM, BK]
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)                          # w: [BN, BK]
+                x0 = tl.load(x_ptrs, mask=m0_ok, other=0.0)                                 # x0: [BM, BK]
             else:
-                k_ok = kk < K
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                             mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
+                k_ok = (k_lo + kr * BK + offs_k < K) & (kr * BK + offs_k < K_SPLIT)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x0 = tl.load(x_ptrs, mask=m0_ok & k_ok[None, :], other=0.0)
             wt = tl.trans(w)                                                              # wt: [BK, BN]
             acc0 = tl.dot(x0, wt, acc0)
             if MT > 1:
-                m1 = BM + offs_m
                 if EVEN_K:
-                    x1 = tl.load(x_ptr + m1[:, None] * stride_xm + kk[None, :], mask=m1[:, None] < M, other=0.0)
+                    x1 = tl.load(x_ptrs + BM * stride_xm, mask=m1_ok, other=0.0)
                 else:
-                    x1 = tl.load(x_ptr + m1[:, None] * stride_xm + kk[None, :],
-                                 mask=(m1[:, None] < M) & (kk < K)[None, :], other=0.0)
+                    x1 = tl.load(x_ptrs + BM * stride_xm, mask=m1_ok & k_ok[None, :], other=0.0)
                 acc1 = tl.dot(x1, wt, acc1)
-        o_base = out_ptr + pid_s * stride_os
-        o_ptrs = o_base + offs_m[:, None] * stride_om + offs_n[None, :]
-        o_mask = (offs_m[:, None] < M) & n_ok[None, :]
+            w_ptrs += BK
+            x_ptrs += BK
+        o_ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         if OUT_F32:
-            tl.store(o_ptrs, acc0, mask=o_mask)
+            tl.store(o_ptrs, acc0, mask=m0_ok & n_ok[None, :])
         else:
-            tl.store(o_ptrs, acc0.to(tl.bfloat16), mask=o_mask)
+            tl.store(o_ptrs, acc0.to(tl.bfloat16), mask=m0_ok & n_ok[None, :])
         if MT > 1:
-            m1 = BM + offs_m
-            o_ptrs1 = o_base + m1[:, None] * stride_om + offs_n[None, :]
-            o_mask1 = (m1[:, None] < M) & n_ok[None, :]
             if OUT_F32:
-                tl.store(o_ptrs1, acc1, mask=o_mask1)
+                tl.store(o_ptrs + BM * stride_om, acc1, mask=m1_ok & n_ok[None, :])
             else:
-                tl.store(o_ptrs1, acc1.to(tl.bfloat16), mask=o_mask1)
+                tl.store(o_ptrs + BM * stride_om, acc1.to(tl.bfloat16), mask=m1_ok & n_ok[None, :])
 
     return {"mm": mm_kernel}
 

@@ -228,9 +228,9 @@ class EngineCaches:
         """Refuse (``MemoryGateError``) a prompt the gate cannot admit even if every cache is given back.
 
         Reads only: the prefill's own check gives caches back when it must. Certain only:
-        a lower tier might resume further than the resident prefix, so a prompt refused
-        at the resident start is refused here only if it does not fit even resuming at its
-        last token.
+        when a lower tier holds entries it might resume further than the resident prefix
+        (it is not asked here: a lookup counts), so the prompt is then refused only if it
+        does not fit even resuming at its last token.
         """
         gate = self.gate
         if gate is None:
@@ -243,7 +243,9 @@ class EngineCaches:
         if have >= need.total:
             return
         releasable = gate.held()
-        if have + releasable >= gate.need(n, max(0, n - 1)).total:
+        lower_empty = all(t.stats().entries == 0 for t in self.stack.lower)
+        best = plan.start if lower_empty else max(plan.start, n - 1)
+        if have + releasable >= gate.need(n, best).total:
             return
         gate.refused += 1
         raise MemoryGateError(n, need, have, releasable, gate.peak)

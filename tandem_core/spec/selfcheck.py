@@ -20,7 +20,7 @@ the engine that serves, through the ``TreeEngine`` verbs only (no model code):
    recorded end the state is checked and the replay starts again.
 
 On the first difference it stops and, when the engine offers the ``LayerTrace``
-diagnostics, re-runs that row both ways (a decode step, and the same verify from
+diagnostics (``caps.trace``), re-runs that row both ways (a decode step, and the same verify from
 the decode's state) with per-layer capture and names the first layer whose
 hidden row differs. ``SelfCheck.first_mismatch`` is one line naming the verify's
 form and width, the row, and the layer. The engine is left reset.
@@ -38,7 +38,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import NamedTuple, Protocol, Sequence, cast, runtime_checkable
 
 import torch
 
@@ -60,7 +60,7 @@ class Trace(NamedTuple):
 
 @runtime_checkable
 class LayerTrace(Protocol):
-    """Diagnostics an engine may offer: the verbs ``forward`` and ``forward_tree`` with per-layer capture.
+    """Diagnostics an engine may offer (``caps.trace``): ``forward``/``forward_tree`` with per-layer capture.
 
     Each has exactly its verb's arithmetic and effect on the sequence (``trace_forward`` appends the
     tokens, ``trace_tree`` leaves the tree verified) and also returns the hidden rows at every capture
@@ -262,7 +262,7 @@ class _Checker:
             t = rng.randrange(vocab)
             want = truth[c + d] if (parent < 0 or on_path[parent]) and c + d < len(truth) else None
             if t == want:
-                t = (t + 1) % vocab                                    # a distractor: another token than the path's
+                t = (t + 1) % vocab                        # a distractor: another token than the path's
             tok.append(t)
             par.append(parent)
             depth.append(d)
@@ -314,18 +314,19 @@ def _diagnose(engine: TreeEngine, rec: _Record, found: _Found) -> Mismatch:
     """Re-run the mismatched row as a decode step and as the same verify from the decode's state, with
     per-layer capture; name the first capture point whose row differs."""
     m = found.mismatch
-    if not isinstance(engine, LayerTrace):
+    if not engine.caps.trace:
         return Mismatch(m.form, m.width, m.node, m.row, m.position, None,
-                        "the engine offers no layer trace")
+                        "the engine offers no layer trace (caps.trace is off)")
+    tracer = cast(LayerTrace, engine)
     try:
         _restore(engine, rec.start)
         for t in rec.tokens[:m.row]:
             engine.forward(torch.tensor([t]))
-        dec = engine.trace_forward(torch.tensor([rec.tokens[m.row]]))
+        dec = tracer.trace_forward(torch.tensor([rec.tokens[m.row]]))
         _restore(engine, rec.start)
         for t in rec.tokens[:found.offset]:
             engine.forward(torch.tensor([t]))
-        ver = engine.trace_tree(torch.tensor(found.tokens), torch.tensor(found.parents))
+        ver = tracer.trace_tree(torch.tensor(found.tokens), torch.tensor(found.parents))
         engine.discard_pending()
     except Exception as exc:  # noqa: BLE001  (diagnostics only)
         return Mismatch(m.form, m.width, m.node, m.row, m.position, None,
@@ -336,4 +337,5 @@ def _diagnose(engine: TreeEngine, rec: _Record, found: _Found) -> Mismatch:
     if not torch.equal(dec.logits[-1], ver.logits[m.node]):
         return Mismatch(m.form, m.width, m.node, m.row, m.position, "the output head")
     return Mismatch(m.form, m.width, m.node, m.row, m.position, None,
-                    "verified from the plain decode's state the row agrees: the state earlier commits left differs")
+                    "verified from the plain decode's state the row agrees: "
+                    "the state earlier commits left differs")

@@ -33,12 +33,12 @@ Three forms of one layer code, chosen by what a call appends:
   activations batched (row invariant, see ``tandem_core.ops.rows``). Every
   verified row equals the decode step's row at that position bit for bit.
 
-Committing a path recomputes the Gated DeltaNet state along it with the decode
-step's own one-token calls, from the nodes' kept rule inputs (q, k, v, decay,
-beta: a few KiB a node and layer), instead of keeping every node's state from the
-verify (a state a node and layer: 3 MiB each on the 27B, 9 GiB for a 64-node
-tree); the result is the decode step's state bit for bit and costs the path's
-length in one-token steps a layer. The K/V rows of the path are copied from the
+Committing a path recomputes the Gated DeltaNet state along it with the recurrent
+form (token by token the decode step's own update), from the nodes' kept rule
+inputs (q, k, v, decay, beta: a few KiB a node and layer), instead of keeping
+every node's state from the verify (a state a node and layer: 3 MiB each on the
+27B, 9 GiB for a 64-node tree); the result is the decode step's state bit for
+bit and costs the path's length in recurrent steps a layer. The K/V rows of the path are copied from the
 verify, the conv tail is the path's last K-1 inputs.
 
 Pending tokens: what ``commit_tree`` appends since the last ``settle`` can be taken
@@ -199,7 +199,8 @@ class _Verified:
 
     step: TreeStep
     rule: dict[int, _RuleRows] = field(default_factory=dict)                     # by GDN slot, [N] rows
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by attention slot, [N, Hkv, D]
+    # by attention slot: the nodes' keys and values [N, Hkv, D]
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -258,7 +259,8 @@ class Qwen38Engine:
         self._tree: _Verified | None = None
         self._pending: _Pending | None = None
         self.caps = Capabilities(tree=True, resume=True, recurrent=True, max_context=self.max_context,
-                                 max_tree=self.max_tree, hidden_layers=(), device=str(dev), dtype=weights.dtype)
+                                 max_tree=self.max_tree, hidden_layers=(), device=str(dev),
+                                 dtype=weights.dtype, trace=True)
 
     # -- hot verbs ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -290,12 +292,16 @@ class Qwen38Engine:
     def commit_tree(self, path: Sequence[int] | torch.Tensor) -> None:
         """Append the nodes of ``path`` (indices into the last verified tree, root to leaf) to the sequence:
         their K/V rows, the conv tail and the Gated DeltaNet state after the last of them (recomputed
-        along the path with the decode step's one-token calls). The rest of the tree leaves no trace.
+        along the path by the recurrent form, token by token the decode step's update). The rest of the
+        tree leaves no trace.
         The appended tokens are pending until ``settle``. An empty path commits nothing."""
         tree = self._tree
         if tree is None:
             raise RuntimeError("commit_tree: no verified tree (forward_tree first; forward, discard_pending, "
                                "a commit or a state restore drops it)")
+        if tree.step.start != self.kv.length:
+            raise RuntimeError(f"commit_tree: the tree was verified on {tree.step.start} tokens, the "
+                               f"sequence now holds {self.kv.length}")
         idx = [int(i) for i in (path.tolist() if isinstance(path, torch.Tensor) else path)]
         parents = tree.step.parents
         for j, i in enumerate(idx):
@@ -389,7 +395,8 @@ class Qwen38Engine:
         """Take back the last ``n`` tokens committed since the last ``settle``."""
         count = 0 if self._pending is None else self._pending.count
         if not 0 <= n <= count:
-            raise ValueError(f"trim_pending({n}): {count} tokens are pending (committed since the last settle)")
+            raise ValueError(f"trim_pending({n}): {count} tokens are pending "
+                             f"(committed since the last settle)")
         self.rollback_to(self.kv.length - n)
 
     def resume_at(self, n: int, sections: dict[str, torch.Tensor] | None = None) -> None:
@@ -411,7 +418,8 @@ class Qwen38Engine:
         logits = self._forward(tokens, True, capture)
         return _trace(capture, logits)
 
-    def trace_tree(self, tokens: torch.Tensor | Sequence[int], parents: torch.Tensor | Sequence[int]) -> Trace:
+    def trace_tree(self, tokens: torch.Tensor | Sequence[int],
+                   parents: torch.Tensor | Sequence[int]) -> Trace:
         """``forward_tree`` that also returns the hidden rows after every layer's mixer and MLP (the tree is
         left verified as by ``forward_tree``)."""
         capture: Capture = []
@@ -480,13 +488,11 @@ class Qwen38Engine:
         return self._ops["linear_rows"] if step.rowwise else _batched
 
     def _advance(self, rule: dict[int, _RuleRows]) -> None:
-        """Append rule rows to the recurrent state: each token one call of the decode step's update."""
+        """Append rule rows to the recurrent state: the recurrent form over them, whose every token is the
+        decode step's one-token update (``tandem_core.ops.gdn``), and the conv tail they leave."""
         op, scale = self._ops["gdn_recurrent"], self.cfg.linear_key_head_dim ** -0.5
         for slot, r in rule.items():
-            S = self._S[slot]
-            for t in range(r.q.shape[0]):
-                _, S = op(r.q[t:t + 1], r.k[t:t + 1], r.v[t:t + 1], r.g[t:t + 1], r.beta[t:t + 1], S,
-                          scale=scale)
+            _, S = op(r.q, r.k, r.v, r.g, r.beta, self._S[slot], scale=scale)
             self._S[slot].copy_(S)
             self._conv[slot].copy_(conv_tail(self._conv[slot], r.conv_in))
 

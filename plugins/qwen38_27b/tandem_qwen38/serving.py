@@ -6,7 +6,8 @@ tensor, ``ctx.progress`` per tensor), ``engine`` (buffers for ``max_context``),
 ``tokenizer`` (tokenizer.json and the chat template). The model writes a
 ``<think>`` block (``reasoning``) and tool calls in Qwen's XML form
 (``tool_format="qwen_xml"``). ``spawn`` builds another engine over the same
-weight objects with its own buffers.
+weight objects with its own buffers. Options read: ``prefill_chunk`` (default the
+``QWEN38_PREFILL_CHUNK`` setting) and ``max_tree`` (the widest verify, default 64).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ class ServeError(RuntimeError):
 
 
 def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int,
-                 prefill_chunk: int) -> Qwen38Engine:
-    return Qwen38Engine(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk)
+                 prefill_chunk: int, max_tree: int = 64) -> Qwen38Engine:
+    return Qwen38Engine(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk, max_tree=max_tree)
 
 
 def serve(args: ServeArgs, ctx: ServeContext) -> Served:
@@ -61,7 +62,8 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
                 f"{cfg.max_position_embeddings}; using {cfg.max_position_embeddings}")
         max_context = cfg.max_position_embeddings
     prefill_chunk = int(args.options.get("prefill_chunk", SETTINGS.get("QWEN38_PREFILL_CHUNK")))
-    engine = build_engine(cfg, weights, max_context, prefill_chunk)
+    max_tree = int(args.options.get("max_tree", 64))
+    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
     ctx.mark("engine")
 
     tokenizer = HFTokenizer.from_dir(d)
@@ -96,7 +98,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
             f"{sum(ckpt.skipped.values())} tensors skipped ({', '.join(sorted(ckpt.skipped)) or 'none'})")
 
     def spawn() -> Qwen38Engine:
-        return build_engine(cfg, weights, max_context, prefill_chunk)
+        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
 
     return Served(
         model_id=args.model_id,
