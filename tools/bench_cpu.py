@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *table,
         "",
+        *([f"Other processes held the cores during these runs (load average above, on {cores} cores): a "
+           f"multi-threaded step then waits for descheduled threads at every parallel region, so the rows "
+           f"with more than one thread measure the machine's load as much as the engines; the 1-thread rows "
+           f"are the cleaner comparison.", ""] if max(load_before, load_after) >= cores / 2 and cores > 1 else []),
         f"Load time (not part of the ratio): TandemLLM {engines[0].load_s:.1f} s, transformers "
         f"{engines[1].load_s:.1f} s.",
         "",

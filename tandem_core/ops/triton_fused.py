@@ -256,7 +256,7 @@ def conv_tree(raw: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, win: 
     the first ``qk_heads`` groups of ``head_dim`` channels)."""
     C, KW = weight.shape
     groups = (C + head_dim - 1) // head_dim
-    kernels()["conv_tree"][(rows, groups)](raw, tail, weight, win, n, out, C, qk_heads, raw.stride(0),
+    kernels()["conv_tree"][(rows, groups)](raw, tail, weight, win, out, n, C, qk_heads, raw.stride(0),
                                            out.stride(0), float(eps), KW=KW, DH=head_dim,
                                            BLOCK=next_pow2(head_dim), num_warps=1)
     return out
