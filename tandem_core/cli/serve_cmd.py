@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem_core.cli.main import CliError
+from tandem_core.cli import CliError
 from tandem_core.serving import ServeArgs, ServeContext
 from tandem_core.settings import SETTINGS
 
@@ -31,6 +31,11 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=8192, help="the most tokens one sequence holds")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--ledger", help="the usage ledger's SQLite file (default: $TANDEM_HOME/ledger.sqlite)")
+    p.add_argument("--spec", default="lookup", metavar="off|DRAFTER[,DRAFTER]",
+                   help="speculative decoding: 'off', or the drafters to merge (default: lookup); on only "
+                        "when the engine verifies trees and passes the load-time self-check")
+    p.add_argument("--max-tree", type=int, default=16, metavar="N",
+                   help="the most drafted nodes one verify forward carries (default 16)")
     p.add_argument("--no-cache", action="store_true",
                    help="no prefix caches, no disk tier, no session spill: every prefill from cold")
     p.add_argument("--cache-dir", help="this model's disk cache and session spill "
@@ -83,6 +88,12 @@ def _logging() -> None:
     root.propagate = False
 
 
+def _drafters(spec: str) -> tuple[str, ...]:
+    if spec.strip().lower() in ("off", "none", ""):
+        return ()
+    return tuple(d.strip() for d in spec.split(",") if d.strip())
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -90,6 +101,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tandem_core.loader import LoadError, load_served
     from tandem_core.registry import UnknownArchitecture
     from tandem_core.server.app import ParallelUnavailable, ServerOptions, ServerState, build_app
+    from tandem_core.server.speculation import SpecOptions
     from tandem_core.server.caches import CacheDirectoryBusy, CacheOptions, parse_bytes
     from tandem_core.server.ledger import default_path
 
@@ -117,7 +129,8 @@ def run_serve(args: argparse.Namespace) -> int:
                             wait_comment_s=float(SETTINGS.get("WAIT_COMMENT_S")),
                             caches=None if args.no_cache else CacheOptions(
                                 directory=Path(args.cache_dir).expanduser() if args.cache_dir else None,
-                                mem_peak=mem_peak))
+                                mem_peak=mem_peak),
+                            spec=SpecOptions(drafters=_drafters(args.spec), max_tree=args.max_tree))
     try:
         state = ServerState(served, options)
     except (ParallelUnavailable, CacheDirectoryBusy) as exc:

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from tandem_core.cache.gate import MemoryGateError
 from tandem_core.server.admission import Admission, QueueFull, Slot, Ticket
 from tandem_core.server.caches import CacheOptions, ServerCaches, build_caches
+from tandem_core.server.speculation import ServerSpeculation, SpecOptions, build_speculation
 from tandem_core.server.fields import FieldError
 from tandem_core.server.generate import Outcome, run_job
 from tandem_core.server.grammar import Grammars
@@ -61,6 +62,7 @@ class ServerOptions:
     ledger: Path | None = None          # None: no ledger
     wait_comment_s: float = 10.0        # TANDEM_WAIT_COMMENT_S
     caches: CacheOptions | None = None  # None: no caches (every prefill cold)
+    spec: SpecOptions | None = None     # None: plain decoding
 
 
 def _engines(served: Served, n: int) -> list[Any]:
@@ -83,6 +85,9 @@ class ServerState:
         self.served = served
         self.options = options
         engines = _engines(served, options.parallel)
+        # before the caches: the self-check leaves the engine reset
+        self.spec = build_speculation(served, engines, options.spec or SpecOptions(drafters=()),
+                                      profile=served.engine.caps.dtype)
         self.caches: ServerCaches | None = (build_caches(served, engines, options.caches)
                                             if options.caches is not None else None)
         self.admission = Admission(engines, options.queue)
@@ -91,10 +96,16 @@ class ServerState:
         self.max_context = min(options.max_context, cap) if cap > 0 else options.max_context
         self.grammars = Grammars(served.tokenizer, served.stop_ids)
         self.ledger = Ledger(options.ledger) if options.ledger is not None else None
-        self.metrics = Metrics(self._gauges, self.caches.metric_lines if self.caches is not None else None)
+        self.metrics = Metrics(self._gauges, self._metric_lines)
         self.started = int(time.time())
         self.tokenizer_fingerprint = served.tokenizer.fingerprint()
         self.active: set[threading.Event] = set()
+
+    def _metric_lines(self) -> list[str]:
+        lines = self.spec.metric_lines()
+        if self.caches is not None:
+            lines += self.caches.metric_lines()
+        return lines
 
     def _gauges(self) -> dict[str, float]:
         return {"engines": len(self.admission.slots), "engines_busy": self.admission.busy,
@@ -114,11 +125,12 @@ class ServerState:
         def work() -> Outcome:
             t0 = time.perf_counter()
             try:
+                spec = self.spec.for_slot(slot.index)
                 if caches is None:
-                    outcome = run_job(slot.engine, job, self.served, emit, cancel)
+                    outcome = run_job(slot.engine, job, self.served, emit, cancel, spec=spec)
                 else:
                     with caches.busy:
-                        outcome = run_job(slot.engine, job, self.served, emit, cancel, caches)
+                        outcome = run_job(slot.engine, job, self.served, emit, cancel, caches, spec=spec)
                 self.record(job, outcome, queued_s)
                 return outcome
             finally:
@@ -153,12 +165,15 @@ class ServerState:
         capped = f" capped_max_tokens={job.capped_from}->{job.decode.max_tokens}" if job.capped_from else ""
         pre = out.prefill
         prefill = "-" if pre is None else f"{pre.tier}:{pre.start}/{pre.total}"
+        spec = ("" if out.spec is None or not out.spec.rounds else
+                f" spec_rounds={out.spec.rounds} tokens_per_round={out.spec.tokens_per_round:.2f}"
+                f" acceptance={out.spec.acceptance:.2f}")
         log.info("req=%s endpoint=%s prompt=%d completion=%d finish=%s prefill=%s ttft=%s decode=%s "
-                 "queued=%.2fs total=%.2fs%s%s", job.rid, job.endpoint, out.prompt_tokens,
+                 "queued=%.2fs total=%.2fs%s%s%s", job.rid, job.endpoint, out.prompt_tokens,
                  out.completion_tokens, out.finish,
                  prefill, "-" if ttft is None else f"{ttft:.3f}s",
                  "-" if out.decode_rate is None else f"{out.decode_rate:.1f}tok/s", queued_s, now - job.t_arrival,
-                 capped, f" error={out.error.split(':')[0]}" if out.error else "")
+                 spec, capped, f" error={out.error.split(':')[0]}" if out.error else "")
         if out.status == 507:
             self.metrics.reject("memory_gate")
         self.metrics.request(job.endpoint, out.finish, out.prompt_tokens, out.completion_tokens, ttft,
@@ -330,6 +345,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
                        "engines": len(state.admission.slots), "busy": state.admission.busy,
                        "waiting": len(state.admission.waiting), "queue": state.admission.limit},
             "caches": state.caches.health() if state.caches is not None else {"enabled": False},
+            "speculation": state.spec.health(),
             "info": info,
         })
 

@@ -6,6 +6,9 @@ step that adds something. It returns an ``Outcome``: counts, finish reason, time
 where the prefill started. It never raises for a decode error: the outcome says
 ``error`` and the log line names the exception type (never the text).
 
+With ``spec`` (the engine's ``Speculation``) the decode is ``SpecDecode``: drafters, one
+verify forward a round, the walk; the output is the plain decode's token for token.
+
 With ``caches`` (the engine's ``server.caches.EngineCaches``) the prefill goes through the
 cache stack and the stack follows every token the engine commits; the generation's end
 anchors the session, also when it was cancelled. A prompt the memory gate refuses
@@ -29,6 +32,7 @@ from tandem_core.server.stream import Delta, TokenLogprob, ToolDelta
 from tandem_core.serving import Served, Tokenizer
 from tandem_core.spec.loop import FINISH_CANCELLED, FINISH_STOP, Decode
 from tandem_core.spec.sampler import Pick
+from tandem_core.spec.speculate import SpecDecode, Speculation, SpecStats
 
 __all__ = ["Outcome", "run_job", "token_logprobs"]
 
@@ -46,6 +50,7 @@ class Outcome:
     error: str | None = None    # the exception's type and message when finish is "error"
     prefill: PrefillStart | None = None  # where the prefill started (None: it did not run)
     status: int = 500           # the HTTP status of an error (507: refused by the memory gate)
+    spec: SpecStats | None = None  # speculation's rounds and acceptance (None: plain decoding)
 
 
 def token_logprobs(tok: Tokenizer, picks: Sequence[Pick], stop_ids: frozenset[int]) -> list[TokenLogprob]:
@@ -95,13 +100,18 @@ class _Reader:
 
 
 def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], None],
-            cancel: threading.Event, caches: EngineCaches | None = None) -> Outcome:
+            cancel: threading.Event, caches: EngineCaches | None = None, *,
+            spec: Speculation | None = None) -> Outcome:
     from tandem_core.server.detok import StreamDetokenizer
 
     req = job.decode
-    hooks = caches.decode_hooks() if caches is not None else {}
-    dec = Decode(engine, req, StreamDetokenizer(served.tokenizer), constraint=job.constraint, cancel=cancel,
-                 **hooks)
+    hooks: dict[str, Any] = caches.decode_hooks() if caches is not None else {}
+    detok = StreamDetokenizer(served.tokenizer)
+    dec: Decode
+    if spec is not None:
+        dec = SpecDecode(engine, req, detok, constraint=job.constraint, cancel=cancel, speculation=spec, **hooks)
+    else:
+        dec = Decode(engine, req, detok, constraint=job.constraint, cancel=cancel, **hooks)
     reader = _Reader(job) if job.parse is not None else None
     reasoning_tokens = 0
     finish = None
@@ -150,5 +160,6 @@ def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], No
     assert finish is not None
     if finish == FINISH_STOP and reader is not None and reader.calls_ended:
         finish = "tool_calls"
+    stats = dec.finish_stats() if isinstance(dec, SpecDecode) else None
     return Outcome(finish, len(req.prompt), dec.completion_tokens, reasoning_tokens, dec.t_first,
-                   dec.decode_rate(), prefill=started())
+                   dec.decode_rate(), prefill=started(), spec=stats)

@@ -1,0 +1,160 @@
+"""Speculation in the server: drafters and a cut for each engine, switched on only when proven lossless.
+
+``build_speculation(served, engines, options, log)`` decides once, at load:
+
+- ``--spec off`` (or no drafter named): plain decoding;
+- an engine without tree verbs (``caps.tree`` off): plain decoding, one log line;
+- a drafter that does not fit the target (``check_target``): refused by name, plain decoding;
+- the load-time self-check (``spec.selfcheck``) replays a recorded decode as chains and
+  trees of every verify width up to ``--max-tree`` and compares every row bit for bit: on a
+  difference speculation is off for the process, with one log line naming the layer and row,
+  and ``/health`` says so.
+
+Each engine gets its own drafters (they keep that engine's session history) and its own
+``StairCut`` (prices from the model's price file for this profile and device, else learnt
+online from its own verify times). ``/metrics`` and the log line carry tokens per round and
+acceptance.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tandem_core.drafter import DrafterMismatch, TargetInfo, build_drafter
+from tandem_core.serving import Served
+from tandem_core.spec.cut import StairCut
+from tandem_core.spec.speculate import Speculation, SpecStats
+
+__all__ = ["SpecOptions", "ServerSpeculation", "build_speculation"]
+
+log = logging.getLogger("tandem.spec")
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """``drafters``: names registered through ``tandem_drafters`` (empty: off); ``max_tree``: the most
+    drafted nodes one verify carries; ``selfcheck``: run the load-time self-check (never skip it in
+    production: it is what makes speculation provably lossless on this engine)."""
+
+    drafters: tuple[str, ...] = ("lookup",)
+    max_tree: int = 16
+    selfcheck: bool = True
+    selfcheck_tokens: int = 16
+
+
+class ServerSpeculation:
+    """The decision and, when on, one ``Speculation`` per engine slot."""
+
+    def __init__(self, enabled: bool, reason: str, per_engine: Sequence[Speculation | None],
+                 drafters: tuple[str, ...], max_tree: int, selfcheck: dict[str, Any] | None) -> None:
+        self.enabled = enabled
+        self.reason = reason
+        self.per_engine = list(per_engine)
+        self.drafters = drafters
+        self.max_tree = max_tree
+        self.selfcheck = selfcheck
+
+    def for_slot(self, index: int) -> Speculation | None:
+        return self.per_engine[index] if self.enabled else None
+
+    def totals(self) -> SpecStats:
+        out = SpecStats()
+        for s in self.per_engine:
+            if s is not None:
+                out.add(s.totals)
+        return out
+
+    def health(self) -> dict[str, Any]:
+        t = self.totals()
+        return {"enabled": self.enabled, "reason": self.reason, "drafters": list(self.drafters),
+                "max_tree": self.max_tree, "selfcheck": self.selfcheck,
+                "rounds": t.rounds, "tokens_per_round": round(t.tokens_per_round, 3),
+                "acceptance": round(t.acceptance, 4),
+                "prices": [("file" if s.cut.table is not None else "online") for s in self.per_engine if s]}
+
+    def metric_lines(self) -> list[str]:
+        t = self.totals()
+        return [
+            "# HELP tandem_spec_enabled 1 when speculation is on for this process.",
+            "# TYPE tandem_spec_enabled gauge",
+            f"tandem_spec_enabled {int(self.enabled)}",
+            "# HELP tandem_spec_rounds_total Speculative rounds (one verify forward each).",
+            "# TYPE tandem_spec_rounds_total counter",
+            f"tandem_spec_rounds_total {t.rounds}",
+            "# HELP tandem_spec_tokens_total Tokens yielded by speculative rounds.",
+            "# TYPE tandem_spec_tokens_total counter",
+            f"tandem_spec_tokens_total {t.tokens}",
+            "# HELP tandem_spec_drafted_total Drafted nodes verified.",
+            "# TYPE tandem_spec_drafted_total counter",
+            f"tandem_spec_drafted_total {t.drafted}",
+            "# HELP tandem_spec_accepted_total Drafted nodes accepted.",
+            "# TYPE tandem_spec_accepted_total counter",
+            f"tandem_spec_accepted_total {t.accepted}",
+            "# HELP tandem_spec_tokens_per_round Tokens per round since start.",
+            "# TYPE tandem_spec_tokens_per_round gauge",
+            f"tandem_spec_tokens_per_round {t.tokens_per_round:.4f}",
+            "# HELP tandem_spec_acceptance Accepted over drafted nodes since start.",
+            "# TYPE tandem_spec_acceptance gauge",
+            f"tandem_spec_acceptance {t.acceptance:.4f}",
+        ]
+
+
+def _off(reason: str, n: int, drafters: tuple[str, ...], max_tree: int,
+         selfcheck: dict[str, Any] | None = None) -> ServerSpeculation:
+    log.info("speculation off: %s", reason)
+    return ServerSpeculation(False, reason, [None] * n, drafters, max_tree, selfcheck)
+
+
+def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptions,
+                      profile: str = "fp32") -> ServerSpeculation:
+    n = len(engines)
+    names = tuple(options.drafters)
+    if not names:
+        return _off("--spec off", n, names, 0)
+    caps = engines[0].caps
+    if not caps.tree or caps.max_tree < 1:
+        return _off(f"the {served.model_id} engine verifies no trees", n, names, 0)
+    max_tree = max(1, min(options.max_tree, caps.max_tree))
+    target = TargetInfo.of(caps, tokenizer=served.tokenizer.fingerprint(), vocab_size=served.tokenizer.vocab_size,
+                           name=served.model_id)
+    try:
+        per_engine_drafters = [[build_drafter(name, target) for name in names] for _ in engines]
+    except (DrafterMismatch, KeyError, TypeError) as exc:
+        return _off(str(exc).strip("'\""), n, names, max_tree)
+    check: dict[str, Any] | None = None
+    if options.selfcheck:
+        from tandem_core.spec.selfcheck import run_selfcheck
+
+        result = run_selfcheck(engines[0], tokens=options.selfcheck_tokens, max_width=max_tree)
+        check = {"ok": result.ok, "rows": result.rows_checked, "widths": len(result.widths),
+                 "seconds": round(result.seconds, 2), "mismatch": result.first_mismatch}
+        if not result.ok:
+            log.warning("speculation off for this process: the self-check found a verified row that differs "
+                        "from decode: %s", result.first_mismatch)
+            return ServerSpeculation(False, f"self-check failed: {result.first_mismatch}", [None] * n, names,
+                                     max_tree, check)
+        log.info("self-check passed: %d rows bit for bit, verify widths 1..%d, %.2fs",
+                 result.rows_checked, max_tree, result.seconds)
+    device = caps.device.split(":")[0]
+    per_engine = [Speculation(ds, StairCut.for_model(served.model_id, profile, _device_name(device),
+                                                     max_tree=max_tree), max_tree)
+                  for ds in per_engine_drafters]
+    log.info("speculation on: drafters %s, max tree %d, prices %s", ",".join(names), max_tree,
+             "from file" if per_engine[0].cut.table is not None else "learnt online")
+    return ServerSpeculation(True, "on", per_engine, names, max_tree, check)
+
+
+def _device_name(device: str) -> str:
+    """The price files' device name: the GPU's model (``h200``) on CUDA, ``cpu`` otherwise."""
+    if device != "cuda":
+        return device
+    import torch
+
+    name = torch.cuda.get_device_name().lower()
+    for known in ("h200", "h100", "a100", "gb10", "l40s", "4090"):
+        if known in name:
+            return known
+    return name.replace(" ", "-")
+
