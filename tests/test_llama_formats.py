@@ -8,16 +8,16 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
 
-from tandem_core.linear import Linear, make_linear  # noqa: E402
-from tandem_core.plugins import load_plugins, plugin_manager, register_plugin  # noqa: E402
+from tandem_core.linear import Linear, make_linear
+from tandem_core.plugins import load_plugins, plugin_manager, register_plugin
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _llama_plugin():
-    import tandem_llama.plugin as plugin
+    from tandem_llama import plugin
 
     load_plugins()
     pm = plugin_manager()
@@ -29,9 +29,9 @@ def _llama_plugin():
 def _weights(n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 3.0, (n, 1))).astype(np.float32)
-    w[0, :32] = 0.0                     # a block of zeros (scale 0)
-    w[1, :32] = 0.75                    # a constant block
-    w[2, 32:64] = -rng.uniform(0, 1e-3, 32).astype(np.float32)   # tiny negatives
+    w[0, :32] = 0.0  # a block of zeros (scale 0)
+    w[1, :32] = 0.75  # a constant block
+    w[2, 32:64] = -rng.uniform(0, 1e-3, 32).astype(np.float32)  # tiny negatives
     w[3, :] = np.float32(65000.0) * np.sign(rng.standard_normal(k)).astype(np.float32)  # near fp16's top
     return w
 
@@ -49,7 +49,7 @@ def test_dequantise_equals_gguf_bit_for_bit(fmt, dense):
     w = _weights(48, 160, seed=len(fmt))
     raw = _raw(fmt, w)
     want = torch.from_numpy(np.ascontiguousarray(dequantize(raw, CASES[fmt]).reshape(48, 160)))
-    lin = make_linear(fmt, raw, dense=dense)            # through the registered factory
+    lin = make_linear(fmt, raw, dense=dense)  # through the registered factory
     assert isinstance(lin, Linear)
     assert lin.shape == (48, 160)
     got = lin.dense()
@@ -70,14 +70,14 @@ def test_matmul_and_nbytes(fmt):
     torch.testing.assert_close(lean.matmul(x), want, rtol=1e-5, atol=1e-5)
     assert dense.matmul(x[:1]).shape == (1, 300)
     stored = raw.nbytes
-    assert lean.nbytes == lean.stored_nbytes == stored      # lean: reads the quantised rows
+    assert lean.nbytes == lean.stored_nbytes == stored  # lean: reads the quantised rows
     assert dense.nbytes == 300 * 96 * 4 and dense.stored_nbytes == stored
 
 
 def test_lean_matmul_runs_in_row_chunks(monkeypatch):
-    import tandem_llama.formats as formats
+    from tandem_llama import formats
 
-    monkeypatch.setattr(formats, "_CHUNK_ELEMS", 64 * 5)   # 5 rows of K=64 at a time
+    monkeypatch.setattr(formats, "_CHUNK_ELEMS", 64 * 5)  # 5 rows of K=64 at a time
     raw = _raw("ggml.q4_1", _weights(23, 64, seed=3))
     lean = formats.Q4_1Weight(raw, dense=False)
     x = torch.randn(3, 64)
@@ -86,7 +86,7 @@ def test_lean_matmul_runs_in_row_chunks(monkeypatch):
 
 def test_real_block_layout_q4_1():
     """One hand-made Q4_1 block: d=0.5, m=-1, nibbles 0..15 low then high."""
-    import tandem_llama.formats as formats
+    from tandem_llama import formats
 
     block = np.zeros(20, np.uint8)
     block[0:2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)

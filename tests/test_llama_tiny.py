@@ -27,16 +27,24 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello tandem", "numbers 12345 and 67",
-          "über naïve café — ünïcödé text", "def main():\n    return 42\n", "tabs\tand  spaces   here"] * 4
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello tandem",
+    "numbers 12345 and 67",
+    "über naïve café — ünïcödé text",
+    "def main():\n    return 42\n",
+    "tabs\tand  spaces   here",
+] * 4
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _llama_plugin():
     """The plugin as an installed distribution would register it (once, through the entry point or here)."""
-    import tandem_llama.plugin as plugin
+    from tandem_llama import plugin
 
     pm = plugin_manager()
     from tandem_core.plugins import load_plugins
@@ -49,16 +57,21 @@ def _llama_plugin():
 
 # -- building tiny checkpoints --------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def bpe():
     """A small byte-level BPE: ``(tokens, token_types, merges, tokenizers.Tokenizer)``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     model = json.loads(tok.to_str())["model"]
     vocab = model["vocab"]
@@ -74,9 +87,20 @@ def _hf_model(tie: bool, seed: int = 0, vocab: int = 320, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=tie, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **extra)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # re-randomise: larger weights, so logits are far from ties
         for name, p in model.named_parameters():
@@ -105,8 +129,14 @@ def _store(writer, name: str, w: np.ndarray, qtype: str) -> None:
         writer.add_tensor(name, quantize(w.astype(np.float32), q), raw_dtype=q)
 
 
-def write_gguf(path: Path, model, bpe, qtypes: dict[str, str] | str, pre: str = "gpt2",
-               rope_freqs: np.ndarray | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    model,
+    bpe,
+    qtypes: dict[str, str] | str,
+    pre: str = "gpt2",
+    rope_freqs: np.ndarray | None = None,
+) -> Path:
     """``model`` (a LlamaForCausalLM) as a llama GGUF; ``qtypes``: one type, or per GGUF tensor kind."""
     from gguf import GGUFWriter
 
@@ -133,9 +163,17 @@ def write_gguf(path: Path, model, bpe, qtypes: dict[str, str] | str, pre: str = 
     w.add_bool("tokenizer.ggml.add_bos_token", False)
     w.add_string("tokenizer.chat_template", TEMPLATE)
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
 
     def qt(kind: str) -> str:
         return qtypes if isinstance(qtypes, str) else qtypes.get(kind, "F32")
@@ -180,9 +218,15 @@ def _ours_greedy(engine, ids: list[int], n: int) -> list[int]:
 
 def _ref_greedy(ref, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                           max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = ref.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -196,17 +240,41 @@ GGUF_CASES = {
     "f16-untied": ("F16", False),
     "q8_0-tied": ("Q8_0", True),
     "q4_1-tied": ("Q4_1", True),
-    "q4_1-q8_0-embed-untied": ({"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1",
-                                "attn_v": "Q4_1", "attn_output": "Q4_1", "ffn_gate": "Q4_1", "ffn_up": "Q4_1",
-                                "ffn_down": "Q4_1"}, False),
-    "mixed-stacks": ({"attn_q": "Q4_1", "attn_k": "Q8_0", "attn_v": "F16", "ffn_gate": "Q8_0", "ffn_up": "Q4_1",
-                      "token_embd": "F16", "attn_output": "F32", "ffn_down": "Q8_0"}, True),
+    "q4_1-q8_0-embed-untied": (
+        {
+            "token_embd": "Q8_0",
+            "output": "Q8_0",
+            "attn_q": "Q4_1",
+            "attn_k": "Q4_1",
+            "attn_v": "Q4_1",
+            "attn_output": "Q4_1",
+            "ffn_gate": "Q4_1",
+            "ffn_up": "Q4_1",
+            "ffn_down": "Q4_1",
+        },
+        False,
+    ),
+    "mixed-stacks": (
+        {
+            "attn_q": "Q4_1",
+            "attn_k": "Q8_0",
+            "attn_v": "F16",
+            "ffn_gate": "Q8_0",
+            "ffn_up": "Q4_1",
+            "token_embd": "F16",
+            "attn_output": "F32",
+            "ffn_down": "Q8_0",
+        },
+        True,
+    ),
 }
 
 
-@pytest.mark.parametrize("case,dense", [(c, True) for c in GGUF_CASES] + [("q4_1-tied", False),
-                                                                         ("mixed-stacks", False)],
-                         ids=[f"{c}-dense" for c in GGUF_CASES] + ["q4_1-tied-lean", "mixed-stacks-lean"])
+@pytest.mark.parametrize(
+    "case,dense",
+    [(c, True) for c in GGUF_CASES] + [("q4_1-tied", False), ("mixed-stacks", False)],
+    ids=[f"{c}-dense" for c in GGUF_CASES] + ["q4_1-tied-lean", "mixed-stacks-lean"],
+)
 def test_gguf_equals_transformers(tmp_path, bpe, monkeypatch, case, dense):
     from transformers import AutoModelForCausalLM
 
@@ -215,7 +283,9 @@ def test_gguf_equals_transformers(tmp_path, bpe, monkeypatch, case, dense):
     monkeypatch.setenv("TANDEM_LLAMA_DENSE", "1" if dense else "0")
     monkeypatch.setenv("TANDEM_LLAMA_PREFILL_CHUNK", "5")  # the prompt runs in three chunks
     served = _serve(path)
-    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         want = ref(torch.tensor([PROMPT])).logits[0]
     got = served.engine.forward(PROMPT, all_logits=True)
@@ -233,13 +303,19 @@ def test_hf_dir_equals_transformers(tmp_path, bpe, rope, tie):
     if rope == "linear":
         extra["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
     elif rope == "llama3":
-        extra["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        extra["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
     model = _hf_model(tie, seed=1, **extra)
     model.save_pretrained(tmp_path)
     bpe[3].save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>",
-                                                                "chat_template": TEMPLATE}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": TEMPLATE})
+    )
     served = _serve(tmp_path)
     ref = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     long_prompt = PROMPT * 6  # 78 positions: past the llama3 band edges of a 64-token original context
@@ -257,8 +333,13 @@ def test_gguf_rope_freqs_equals_llama3_scaling(tmp_path, bpe):
     then equal transformers' llama3 rope on the same weights."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     model = _hf_model(True, seed=2, rope_scaling=scaling)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](model.config, "cpu")
     base = 1.0 / (model.config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
@@ -279,8 +360,13 @@ def test_gguf_tokenizer_equals_transformers(tmp_path, bpe):
     write_gguf(tmp_path / "tiny.gguf", _hf_model(True), bpe, "F32")
     served = _serve(tmp_path / "tiny.gguf")
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
-    for text in ["the quick brown fox", "hello  world\n\n  indented", "ünïcödé café 🦊 ok",
-                 "<|im_start|>user\nhi<|im_end|>\n", "numbers 2024 and 7"]:
+    for text in [
+        "the quick brown fox",
+        "hello  world\n\n  indented",
+        "ünïcödé café 🦊 ok",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "numbers 2024 and 7",
+    ]:
         assert served.tokenizer.encode(text) == ref(text, add_special_tokens=False)["input_ids"], text
         ids = served.tokenizer.encode(text)
         assert served.tokenizer.decode(ids) == text
@@ -344,11 +430,13 @@ def test_through_the_core_loader(tmp_path, bpe):
     assert served.info["architecture"] == "llama" and served.info["plugin"] == "tandem-llama"
     assert architecture({"architectures": ["LlamaForCausalLM"]}).name == "llama"
     cfg = architecture({"model_type": "llama", "format": "gguf", "gguf_path": str(path)}).read_config(
-        {"model_type": "llama", "format": "gguf", "gguf_path": str(path)})
+        {"model_type": "llama", "format": "gguf", "gguf_path": str(path)}
+    )
     assert cfg.num_layers == 2 and cfg.num_kv_heads == 2 and cfg.tie_word_embeddings
 
 
 # -- strictness --------------------------------------------------------------------------------------
+
 
 def test_hf_config_refuses_unknown_and_fixed_fields():
     from tandem_llama.config import from_hf
@@ -367,7 +455,6 @@ def test_hf_config_refuses_unknown_and_fixed_fields():
 
 def test_gguf_metadata_and_tensors_are_audited(tmp_path, bpe):
     from gguf import GGUFWriter
-
     from tandem_llama.config import config_of
     from tandem_llama.gguf_reader import GGUFFile
     from tandem_llama.weights import audit_gguf
@@ -407,8 +494,21 @@ def test_unsupported_tokenizer_is_refused(bpe):
     from tandem_llama.gguf_reader import GGUFError, TokenizerSpec, build_tokenizer
 
     tokens, types, merges, _ = bpe
-    spec = TokenizerSpec("gpt2", "mystery", tuple(tokens), tuple(types), tuple(merges), 1, 2, None, None, None,
-                         None, False, False)
+    spec = TokenizerSpec(
+        "gpt2",
+        "mystery",
+        tuple(tokens),
+        tuple(types),
+        tuple(merges),
+        1,
+        2,
+        None,
+        None,
+        None,
+        None,
+        False,
+        False,
+    )
     with pytest.raises(GGUFError, match="'mystery'"):
         build_tokenizer(spec)
     with pytest.raises(GGUFError, match="'llama'"):
@@ -417,30 +517,42 @@ def test_unsupported_tokenizer_is_refused(bpe):
 
 # -- the engine's fast ops against the core's references ---------------------------------------------
 
-@pytest.mark.parametrize("start,t", [(0, 1), (7, 1), (0, 9), (5, 4)], ids=["first", "decode", "prefill", "chunk"])
+
+@pytest.mark.parametrize(
+    "start,t", [(0, 1), (7, 1), (0, 9), (5, 4)], ids=["first", "decode", "prefill", "chunk"]
+)
 def test_fast_ops_equal_core_references(start, t):
+    from tandem_llama.config import from_hf
+    from tandem_llama.model import attend, rope_rows, rope_tables
+
     from tandem_core.ops.attention import attention, causal_mask
     from tandem_core.ops.norm import rms_norm
     from tandem_core.ops.rope import apply_rope, cos_sin, inv_freq
-    from tandem_llama.config import from_hf
-    from tandem_llama.model import attend, rope_rows, rope_tables
 
     cfg = from_hf(json.loads(_hf_model(True).config.to_json_string()))
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin = rope_tables(cfg, 32)
     x = torch.randn(t, hq, d)
     rc, rs = cos_sin(torch.arange(start, start + t), inv_freq(d, cfg.rope_theta))
-    torch.testing.assert_close(rope_rows(x, cos[start:start + t, None], sin[start:start + t, None]),
-                               apply_rope(x, rc, rs), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        rope_rows(x, cos[start : start + t, None], sin[start : start + t, None]),
+        apply_rope(x, rc, rs),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     h = torch.randn(t, cfg.hidden_size)
     w = torch.randn(cfg.hidden_size)
-    torch.testing.assert_close(torch.nn.functional.rms_norm(h, (cfg.hidden_size,), w, 1e-5),
-                               rms_norm(h, w, 1e-5), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        torch.nn.functional.rms_norm(h, (cfg.hidden_size,), w, 1e-5),
+        rms_norm(h, w, 1e-5),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     g, end = hq // hkv, start + t
     q = torch.randn(t, hq, d)
     k, v = torch.randn(hkv, end, d), torch.randn(hkv, end, d)
     mask = causal_mask(start, t)
     qg = q.reshape(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
-    ours = attend(qg, k, v, None if t == 1 else mask.repeat(g, 1), d ** -0.5)
+    ours = attend(qg, k, v, None if t == 1 else mask.repeat(g, 1), d**-0.5)
     ours = ours.reshape(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
-    torch.testing.assert_close(ours, attention(q, k, v, mask, d ** -0.5), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, attention(q, k, v, mask, d**-0.5), rtol=1e-5, atol=1e-6)

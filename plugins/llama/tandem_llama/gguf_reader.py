@@ -12,15 +12,22 @@ with the pre-tokenizer llama.cpp uses for the file's ``tokenizer.ggml.pre``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 __all__ = [
-    "GGUFError", "GGUFTensor", "GGUFFile", "TokenizerSpec", "build_tokenizer", "PRE_TOKENIZERS",
-    "EOG_TOKENS", "stop_ids",
+    "EOG_TOKENS",
+    "PRE_TOKENIZERS",
+    "GGUFError",
+    "GGUFFile",
+    "GGUFTensor",
+    "TokenizerSpec",
+    "build_tokenizer",
+    "stop_ids",
 ]
 
 
@@ -30,11 +37,12 @@ class GGUFError(ValueError):
 
 @dataclass(frozen=True)
 class GGUFTensor:
-    """One tensor of the file. ``data``: the raw array (uint8 rows for block formats), a view of the mapping."""
+    """One tensor of the file. ``data``: the raw array (uint8 rows for block formats), a view of the
+    mapping."""
 
     name: str
-    qtype: str                  # GGML type name: "F32", "F16", "BF16", "Q8_0", "Q4_1", ...
-    shape: tuple[int, ...]      # torch order: [N, K] for a matrix, [K] for a vector
+    qtype: str  # GGML type name: "F32", "F16", "BF16", "Q8_0", "Q4_1", ...
+    shape: tuple[int, ...]  # torch order: [N, K] for a matrix, [K] for a vector
     nbytes: int
     data: np.ndarray
 
@@ -78,7 +86,9 @@ class GGUFFile:
         try:
             self._reader = GGUFReader(str(self.path), "r")
         except Exception as exc:  # the reader raises ValueError/IndexError on a damaged file
-            raise GGUFError(f"{self.path.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+            raise GGUFError(
+                f"{self.path.name}: not a readable GGUF file ({type(exc).__name__}: {exc})"
+            ) from exc
         self._meta: dict[str, Any] | None = None
         self._tensors: dict[str, GGUFTensor] | None = None
 
@@ -87,10 +97,17 @@ class GGUFFile:
     def metadata(self) -> dict[str, Any]:
         """Every key-value pair except the ``GGUF.*`` header fields and the tokenizer's big arrays."""
         if self._meta is None:
-            big = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                   "tokenizer.ggml.scores"}
-            self._meta = {k: _contents(f) for k, f in self._reader.fields.items()
-                          if not k.startswith("GGUF.") and k not in big}
+            big = {
+                "tokenizer.ggml.tokens",
+                "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges",
+                "tokenizer.ggml.scores",
+            }
+            self._meta = {
+                k: _contents(f)
+                for k, f in self._reader.fields.items()
+                if not k.startswith("GGUF.") and k not in big
+            }
         return self._meta
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -104,9 +121,10 @@ class GGUFFile:
         return arch
 
     def arch_metadata(self) -> dict[str, Any]:
-        """The ``<architecture>.*`` keys with the prefix taken off (``block_count``, ``rope.freq_base``, ...)."""
+        """The ``<architecture>.*`` keys with the prefix taken off (``block_count``, ``rope.freq_base``,
+        ...)."""
         pre = self.architecture + "."
-        return {k[len(pre):]: v for k, v in self.metadata.items() if k.startswith(pre)}
+        return {k[len(pre) :]: v for k, v in self.metadata.items() if k.startswith(pre)}
 
     def array(self, key: str) -> list[Any] | None:
         f = self._reader.fields.get(key)
@@ -131,18 +149,27 @@ class GGUFFile:
             raise GGUFError(f"{self.path.name}: no tokenizer in the metadata (tokenizer.ggml.model/tokens)")
         types = self.array("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
         if len(types) != len(tokens):
-            raise GGUFError(f"{self.path.name}: tokenizer.ggml.token_type has {len(types)} entries "
-                            f"for {len(tokens)} tokens")
+            raise GGUFError(
+                f"{self.path.name}: tokenizer.ggml.token_type has {len(types)} entries "
+                f"for {len(tokens)} tokens"
+            )
 
         def opt_id(key: str) -> int | None:
             v = self.get(f"tokenizer.ggml.{key}")
             return None if v is None else int(v)
 
         return TokenizerSpec(
-            model=str(model), pre=self.get("tokenizer.ggml.pre"), tokens=tuple(tokens),
-            token_types=tuple(int(t) for t in types), merges=tuple(self.array("tokenizer.ggml.merges") or ()),
-            bos_id=opt_id("bos_token_id"), eos_id=opt_id("eos_token_id"), eot_id=opt_id("eot_token_id"),
-            eom_id=opt_id("eom_token_id"), unk_id=opt_id("unknown_token_id"), pad_id=opt_id("padding_token_id"),
+            model=str(model),
+            pre=self.get("tokenizer.ggml.pre"),
+            tokens=tuple(tokens),
+            token_types=tuple(int(t) for t in types),
+            merges=tuple(self.array("tokenizer.ggml.merges") or ()),
+            bos_id=opt_id("bos_token_id"),
+            eos_id=opt_id("eos_token_id"),
+            eot_id=opt_id("eot_token_id"),
+            eom_id=opt_id("eom_token_id"),
+            unk_id=opt_id("unknown_token_id"),
+            pad_id=opt_id("padding_token_id"),
             add_bos=bool(self.get("tokenizer.ggml.add_bos_token", False)),
             add_eos=bool(self.get("tokenizer.ggml.add_eos_token", False)),
         )
@@ -164,16 +191,21 @@ def _contents(field: Any) -> Any:
 
 # The split expressions llama.cpp applies before byte-level BPE, by ``tokenizer.ggml.pre``.
 _GPT2 = None  # the ByteLevel pre-tokenizer's own expression
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
-# name -> (splits applied first, each isolating its matches; then ByteLevel with or without the GPT-2 expression)
+# name -> (splits applied first, each isolating its matches; then ByteLevel with or without the GPT-2
+# expression)
 PRE_TOKENIZERS: Mapping[str, tuple[tuple[str, ...], bool]] = {
     "default": ((), True),
     "gpt2": ((), True),
-    "smollm": ((r"\p{N}",), True),        # every number code point alone, then GPT-2's expression
+    "smollm": ((r"\p{N}",), True),  # every number code point alone, then GPT-2's expression
     "llama-bpe": ((_LLAMA3,), False),
     "llama3": ((_LLAMA3,), False),
     "qwen2": ((_QWEN2,), False),
@@ -185,11 +217,15 @@ def build_tokenizer(spec: TokenizerSpec, where: str = "GGUF") -> Any:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     if spec.model != "gpt2":
-        raise GGUFError(f"{where}: tokenizer.ggml.model {spec.model!r} is not supported "
-                        f"(tandem-llama reads byte-level BPE, 'gpt2')")
+        raise GGUFError(
+            f"{where}: tokenizer.ggml.model {spec.model!r} is not supported "
+            f"(tandem-llama reads byte-level BPE, 'gpt2')"
+        )
     pre = spec.pre or "default"
     if pre not in PRE_TOKENIZERS:
-        raise GGUFError(f"{where}: tokenizer.ggml.pre {pre!r} is not supported; known: {', '.join(PRE_TOKENIZERS)}")
+        raise GGUFError(
+            f"{where}: tokenizer.ggml.pre {pre!r} is not supported; known: {', '.join(PRE_TOKENIZERS)}"
+        )
     vocab: dict[str, int] = {}
     for i, tok in enumerate(spec.tokens):
         vocab.setdefault(tok, i)
@@ -205,10 +241,16 @@ def build_tokenizer(spec: TokenizerSpec, where: str = "GGUF") -> Any:
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex))
     tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
-    control = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(spec.tokens, spec.token_types) if ty == TOKEN_CONTROL]
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, ty in zip(spec.tokens, spec.token_types) if ty == TOKEN_USER_DEFINED]
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(spec.tokens, spec.token_types)
+        if ty == TOKEN_CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, ty in zip(spec.tokens, spec.token_types)
+        if ty == TOKEN_USER_DEFINED
+    ]
     if control:
         tok.add_special_tokens(control)
     if user:
@@ -228,8 +270,12 @@ def build_tokenizer(spec: TokenizerSpec, where: str = "GGUF") -> Any:
 
 
 def stop_ids(spec: TokenizerSpec) -> tuple[int, ...]:
-    """Token ids that end a turn: eos, eot and eom from the metadata, and the control tokens in ``EOG_TOKENS``."""
+    """Token ids that end a turn: eos, eot and eom from the metadata, and the control tokens in
+    ``EOG_TOKENS``."""
     ids = [i for i in (spec.eos_id, spec.eot_id, spec.eom_id) if i is not None]
-    ids += [i for i, (t, ty) in enumerate(zip(spec.tokens, spec.token_types))
-            if ty == TOKEN_CONTROL and t in EOG_TOKENS]
+    ids += [
+        i
+        for i, (t, ty) in enumerate(zip(spec.tokens, spec.token_types))
+        if ty == TOKEN_CONTROL and t in EOG_TOKENS
+    ]
     return tuple(dict.fromkeys(ids))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tandem_core.plugins import hookimpl, settings_hook
 from tandem_core.registry import Arch
 from tandem_core.settings import Setting
 
-__all__ = ["ARCH", "tandem_architectures", "tandem_weight_formats", "tandem_settings"]
+__all__ = ["ARCH", "tandem_architectures", "tandem_settings", "tandem_weight_formats"]
 
 ARCH = Arch(
     name="llama",
@@ -22,8 +23,11 @@ ARCH = Arch(
 
 # format name -> class, by import path (the factory imports torch only when a weight is made)
 _FORMATS = {
-    "ggml.f32": "F32Weight", "ggml.f16": "F16Weight", "ggml.bf16": "BF16Weight",
-    "ggml.q8_0": "Q8_0Weight", "ggml.q4_1": "Q4_1Weight",
+    "ggml.f32": "F32Weight",
+    "ggml.f16": "F16Weight",
+    "ggml.bf16": "BF16Weight",
+    "ggml.q8_0": "Q8_0Weight",
+    "ggml.q4_1": "Q4_1Weight",
 }
 
 
@@ -49,9 +53,21 @@ def tandem_weight_formats(register: Callable[..., None]) -> None:
 
 
 tandem_settings = settings_hook(
-    Setting("LLAMA_DENSE", True, "tandem_llama.serving",
-            "keep a dense fp32 copy of every quantised Llama weight (fast on a CPU); off: dequantise per "
-            "matmul from the quantised rows (less memory)", bool, arithmetic=True),
-    Setting("LLAMA_PREFILL_CHUNK", 512, "tandem_llama.serving",
-            "tokens per prefill chunk of the Llama engine", int, arithmetic=True),
+    Setting(
+        "LLAMA_DENSE",
+        True,
+        "tandem_llama.serving",
+        "keep a dense fp32 copy of every quantised Llama weight (fast on a CPU); off: dequantise per "
+        "matmul from the quantised rows (less memory)",
+        bool,
+        arithmetic=True,
+    ),
+    Setting(
+        "LLAMA_PREFILL_CHUNK",
+        512,
+        "tandem_llama.serving",
+        "tokens per prefill chunk of the Llama engine",
+        int,
+        arithmetic=True,
+    ),
 )

@@ -21,13 +21,12 @@ from tandem_core.engine import Engine
 from tandem_core.serving import ServeArgs, ServeContext, Served
 from tandem_core.settings import SETTINGS
 from tandem_core.tokenizer import HFTokenizer, load_chat_template
-
 from tandem_llama.config import LlamaConfig, config_of, from_hf
 from tandem_llama.gguf_reader import GGUFFile, build_tokenizer, stop_ids
 from tandem_llama.model import LlamaEngine
 from tandem_llama.weights import LlamaWeights, load_gguf, load_hf
 
-__all__ = ["serve", "resolve_path"]
+__all__ = ["resolve_path", "serve"]
 
 
 def resolve_path(path: str | Path) -> tuple[str, Path]:
@@ -88,8 +87,10 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         weights = load_hf(path, cfg, dense=dense, progress=ctx.progress)
     ctx.mark("weights")
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
-                         f"{cfg.vocab_size}")
+        raise ValueError(
+            f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
+            f"{cfg.vocab_size}"
+        )
     max_ctx = min(int(args.max_context) or cfg.max_position_embeddings, cfg.max_position_embeddings)
     if max_ctx < int(args.max_context):
         ctx.log(f"llama: context capped at the model's {cfg.max_position_embeddings} tokens")
@@ -103,14 +104,28 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         ctx.log(f"llama: {path.name} carries no chat template; chat requests cannot be rendered")
     info = _info(kind, path, cfg, weights, engine, tokenizer, ctx)
     return Served(
-        model_id=args.model_id, engine=engine, tokenizer=tokenizer, chat_template=template or "",
-        tool_format="hermes_json", reasoning=False, think_in_prompt=False,
-        stop_ids=tuple(tokenizer.eos_token_ids), info=info, spawn=spawn,
+        model_id=args.model_id,
+        engine=engine,
+        tokenizer=tokenizer,
+        chat_template=template or "",
+        tool_format="hermes_json",
+        reasoning=False,
+        think_in_prompt=False,
+        stop_ids=tuple(tokenizer.eos_token_ids),
+        info=info,
+        spawn=spawn,
     )
 
 
-def _info(kind: str, path: Path, cfg: LlamaConfig, weights: LlamaWeights, engine: LlamaEngine,
-          tokenizer: HFTokenizer, ctx: ServeContext) -> dict[str, Any]:
+def _info(
+    kind: str,
+    path: Path,
+    cfg: LlamaConfig,
+    weights: LlamaWeights,
+    engine: LlamaEngine,
+    tokenizer: HFTokenizer,
+    ctx: ServeContext,
+) -> dict[str, Any]:
     """The record ``/health`` shows."""
     return {
         "family": "llama",
@@ -124,9 +139,14 @@ def _info(kind: str, path: Path, cfg: LlamaConfig, weights: LlamaWeights, engine
             "head_tied": weights.head_tied,
         },
         "config": {
-            "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
-            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab": cfg.vocab_size,
-            "max_context": engine.max_context, "rope_theta": cfg.rope_theta,
+            "layers": cfg.num_layers,
+            "hidden": cfg.hidden_size,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab": cfg.vocab_size,
+            "max_context": engine.max_context,
+            "rope_theta": cfg.rope_theta,
             "rope_scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.kind,
         },
         "fingerprints": {"tokenizer": tokenizer.fingerprint(), "manifest": engine.manifest().fingerprint()},

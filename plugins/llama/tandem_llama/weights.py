@@ -19,9 +19,10 @@ the registered weight formats.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -29,36 +30,42 @@ from tandem_core.checkpoint.audit import AuditError, Expect, audit
 from tandem_core.checkpoint.layout import Layout
 from tandem_core.checkpoint.safetensors import SafetensorsCheckpoint
 from tandem_core.linear import Linear, make_linear
-
 from tandem_llama.config import LlamaConfig
 from tandem_llama.formats import FORMAT_OF_QTYPE, FORMATS, GGMLWeight, as_raw, concat_rows
 from tandem_llama.gguf_reader import GGUFFile, GGUFTensor
 
-__all__ = ["LayerWeights", "LlamaWeights", "gguf_expected", "audit_gguf", "load_gguf", "load_hf",
-           "qk_unpermute"]
+__all__ = [
+    "LayerWeights",
+    "LlamaWeights",
+    "audit_gguf",
+    "gguf_expected",
+    "load_gguf",
+    "load_hf",
+    "qk_unpermute",
+]
 
 Progress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    attn_norm: torch.Tensor     # [H] fp32
-    qkv: Linear                 # [q_dim + 2 kv_dim, H]
-    o: Linear                   # [H, q_dim]
-    mlp_norm: torch.Tensor      # [H] fp32
-    gate_up: Linear             # [2 I, H]: gate rows then up rows
-    down: Linear                # [H, I]
+    attn_norm: torch.Tensor  # [H] fp32
+    qkv: Linear  # [q_dim + 2 kv_dim, H]
+    o: Linear  # [H, q_dim]
+    mlp_norm: torch.Tensor  # [H] fp32
+    gate_up: Linear  # [2 I, H]: gate rows then up rows
+    down: Linear  # [H, I]
 
 
 @dataclass(frozen=True)
 class LlamaWeights:
-    embed: GGMLWeight                   # [V, H]; ``rows(ids)`` is the lookup
+    embed: GGMLWeight  # [V, H]; ``rows(ids)`` is the lookup
     layers: tuple[LayerWeights, ...]
-    norm: torch.Tensor                  # [H] fp32
-    lm_head: Linear                     # [V, H] (the embedding itself when tied)
-    rope_freqs: torch.Tensor | None     # [head_dim / 2] frequency divisors (GGUF rope_freqs.weight), or None
+    norm: torch.Tensor  # [H] fp32
+    lm_head: Linear  # [V, H] (the embedding itself when tied)
+    rope_freqs: torch.Tensor | None  # [head_dim / 2] frequency divisors (GGUF rope_freqs.weight), or None
     files: tuple[Path, ...]
-    formats: dict[str, int]             # tensors read per format
+    formats: dict[str, int]  # tensors read per format
     head_tied: bool
     dense: bool
 
@@ -90,8 +97,17 @@ def qk_unpermute(n_rows: int, n_head: int) -> torch.Tensor:
 
 # -- GGUF ----------------------------------------------------------------------------------------
 
-_GGUF_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
-               "ffn_down")
+_GGUF_LAYER = (
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
 
 
 def gguf_expected(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -101,9 +117,17 @@ def gguf_expected(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, h), "output_norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         out["output.weight"] = (v, h)
-    shapes = {"attn_norm": (h,), "attn_q": (cfg.q_dim, h), "attn_k": (cfg.kv_dim, h), "attn_v": (cfg.kv_dim, h),
-              "attn_output": (h, cfg.q_dim), "ffn_norm": (h,), "ffn_gate": (i, h), "ffn_up": (i, h),
-              "ffn_down": (h, i)}
+    shapes = {
+        "attn_norm": (h,),
+        "attn_q": (cfg.q_dim, h),
+        "attn_k": (cfg.kv_dim, h),
+        "attn_v": (cfg.kv_dim, h),
+        "attn_output": (h, cfg.q_dim),
+        "ffn_norm": (h,),
+        "ffn_gate": (i, h),
+        "ffn_up": (i, h),
+        "ffn_down": (h, i),
+    }
     for n in range(cfg.num_layers):
         for part in _GGUF_LAYER:
             out[f"blk.{n}.{part}.weight"] = shapes[part]
@@ -117,7 +141,9 @@ def audit_gguf(gf: GGUFFile, cfg: LlamaConfig) -> None:
     optional = {"rope_freqs.weight": (cfg.head_dim // 2,)}
     for name in tensors:
         if name not in expected and name not in optional:
-            raise AuditError(f"{gf.path.name}: tensor {name!r} is not part of a Llama model this plugin reads")
+            raise AuditError(
+                f"{gf.path.name}: tensor {name!r} is not part of a Llama model this plugin reads"
+            )
     missing = [n for n in expected if n not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -125,11 +151,14 @@ def audit_gguf(gf: GGUFFile, cfg: LlamaConfig) -> None:
     for name, t in tensors.items():
         want = expected.get(name) or optional[name]
         if tuple(t.shape) != tuple(want):
-            raise AuditError(f"{gf.path.name}: tensor {name!r} has shape {list(t.shape)}, "
-                             f"the config needs {list(want)}")
+            raise AuditError(
+                f"{gf.path.name}: tensor {name!r} has shape {list(t.shape)}, the config needs {list(want)}"
+            )
         if t.qtype not in FORMAT_OF_QTYPE:
-            raise AuditError(f"{gf.path.name}: tensor {name!r} is {t.qtype}; tandem-llama reads "
-                             f"{', '.join(FORMAT_OF_QTYPE)}")
+            raise AuditError(
+                f"{gf.path.name}: tensor {name!r} is {t.qtype}; tandem-llama reads "
+                f"{', '.join(FORMAT_OF_QTYPE)}"
+            )
         if len(t.shape) == 1 and t.qtype not in ("F32", "F16", "BF16"):
             raise AuditError(f"{gf.path.name}: vector {name!r} is {t.qtype}, expected a float type")
 
@@ -149,7 +178,9 @@ def _stacked(parts: list[tuple[str, torch.Tensor]], *, dense: bool) -> Any:
     return concat_rows([make_linear(f, r, dense=dense) for f, r in parts], dense=dense)
 
 
-def load_gguf(gf: GGUFFile, cfg: LlamaConfig, *, dense: bool = True, progress: Progress | None = None) -> LlamaWeights:
+def load_gguf(
+    gf: GGUFFile, cfg: LlamaConfig, *, dense: bool = True, progress: Progress | None = None
+) -> LlamaWeights:
     """Audit, then build every Linear (the Q/K rows un-permuted to Hugging Face's order)."""
     audit_gguf(gf, cfg)
     tensors = gf.tensors
@@ -185,13 +216,23 @@ def load_gguf(gf: GGUFFile, cfg: LlamaConfig, *, dense: bool = True, progress: P
         o = make_linear(*raw(p + "attn_output.weight"), dense=dense)
         gate_up = _stacked([raw(p + "ffn_gate.weight"), raw(p + "ffn_up.weight")], dense=dense)
         down = make_linear(*raw(p + "ffn_down.weight"), dense=dense)
-        layers.append(LayerWeights(vector(p + "attn_norm.weight"), qkv, o, vector(p + "ffn_norm.weight"),
-                                   gate_up, down))
+        layers.append(
+            LayerWeights(vector(p + "attn_norm.weight"), qkv, o, vector(p + "ffn_norm.weight"), gate_up, down)
+        )
     embed = make_linear(*raw("token_embd.weight"), dense=dense)
     head = embed if cfg.tie_word_embeddings else make_linear(*raw("output.weight"), dense=dense)
     rope_freqs = vector("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
-    return LlamaWeights(embed, tuple(layers), vector("output_norm.weight"), head, rope_freqs, (gf.path,),
-                        counts, cfg.tie_word_embeddings, dense)
+    return LlamaWeights(
+        embed,
+        tuple(layers),
+        vector("output_norm.weight"),
+        head,
+        rope_freqs,
+        (gf.path,),
+        counts,
+        cfg.tie_word_embeddings,
+        dense,
+    )
 
 
 # -- Hugging Face safetensors ---------------------------------------------------------------------
@@ -202,21 +243,32 @@ _HF_IGNORED_SUFFIX = ("rotary_emb.inv_freq",)
 
 def hf_expected(cfg: LlamaConfig) -> dict[str, Expect]:
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    out = {"embed_tokens.weight": Expect((v, h)), "norm.weight": Expect((h,)), "lm_head.weight": Expect((v, h))}
+    out = {
+        "embed_tokens.weight": Expect((v, h)),
+        "norm.weight": Expect((h,)),
+        "lm_head.weight": Expect((v, h)),
+    }
     for n in range(cfg.num_layers):
         p = f"layers.{n}."
-        out.update({
-            p + "input_layernorm.weight": Expect((h,)), p + "post_attention_layernorm.weight": Expect((h,)),
-            p + "self_attn.q_proj.weight": Expect((cfg.q_dim, h)), p + "self_attn.k_proj.weight": Expect((cfg.kv_dim, h)),
-            p + "self_attn.v_proj.weight": Expect((cfg.kv_dim, h)), p + "self_attn.o_proj.weight": Expect((h, cfg.q_dim)),
-            p + "mlp.gate_proj.weight": Expect((i, h)), p + "mlp.up_proj.weight": Expect((i, h)),
-            p + "mlp.down_proj.weight": Expect((h, i)),
-        })
+        out.update(
+            {
+                p + "input_layernorm.weight": Expect((h,)),
+                p + "post_attention_layernorm.weight": Expect((h,)),
+                p + "self_attn.q_proj.weight": Expect((cfg.q_dim, h)),
+                p + "self_attn.k_proj.weight": Expect((cfg.kv_dim, h)),
+                p + "self_attn.v_proj.weight": Expect((cfg.kv_dim, h)),
+                p + "self_attn.o_proj.weight": Expect((h, cfg.q_dim)),
+                p + "mlp.gate_proj.weight": Expect((i, h)),
+                p + "mlp.up_proj.weight": Expect((i, h)),
+                p + "mlp.down_proj.weight": Expect((h, i)),
+            }
+        )
     return out
 
 
-def load_hf(directory: str | Path, cfg: LlamaConfig, *, dense: bool = True,
-            progress: Progress | None = None) -> LlamaWeights:
+def load_hf(
+    directory: str | Path, cfg: LlamaConfig, *, dense: bool = True, progress: Progress | None = None
+) -> LlamaWeights:
     ckpt = SafetensorsCheckpoint(directory)
     try:
         res = Layout().resolve(ckpt.keys(), cfg.tie_word_embeddings)
@@ -248,14 +300,37 @@ def load_hf(directory: str | Path, cfg: LlamaConfig, *, dense: bool = True,
     layers = []
     for n in range(cfg.num_layers):
         p = f"layers.{n}."
-        qkv = _stacked([raw(p + "self_attn.q_proj.weight"), raw(p + "self_attn.k_proj.weight"),
-                        raw(p + "self_attn.v_proj.weight")], dense=dense)
+        qkv = _stacked(
+            [
+                raw(p + "self_attn.q_proj.weight"),
+                raw(p + "self_attn.k_proj.weight"),
+                raw(p + "self_attn.v_proj.weight"),
+            ],
+            dense=dense,
+        )
         o = make_linear(*raw(p + "self_attn.o_proj.weight"), dense=dense)
         gate_up = _stacked([raw(p + "mlp.gate_proj.weight"), raw(p + "mlp.up_proj.weight")], dense=dense)
         down = make_linear(*raw(p + "mlp.down_proj.weight"), dense=dense)
-        layers.append(LayerWeights(vector(p + "input_layernorm.weight"), qkv, o,
-                                   vector(p + "post_attention_layernorm.weight"), gate_up, down))
+        layers.append(
+            LayerWeights(
+                vector(p + "input_layernorm.weight"),
+                qkv,
+                o,
+                vector(p + "post_attention_layernorm.weight"),
+                gate_up,
+                down,
+            )
+        )
     embed = make_linear(*raw("embed_tokens.weight"), dense=dense)
     head = embed if res.head_tied else make_linear(*raw("lm_head.weight"), dense=dense)
-    return LlamaWeights(embed, tuple(layers), vector("norm.weight"), head, None, tuple(ckpt.iter_files()),
-                        counts, res.head_tied, dense)
+    return LlamaWeights(
+        embed,
+        tuple(layers),
+        vector("norm.weight"),
+        head,
+        None,
+        tuple(ckpt.iter_files()),
+        counts,
+        res.head_tied,
+        dense,
+    )
