@@ -8,7 +8,8 @@ config goes through the plugin's strict reader, the tensors through its
 ``build_weights``, the run through ``Qwen38Engine``. What is hashed: every logit
 and the post-norm hidden rows of a chunked prefill, then of two decode steps,
 and every byte of the state (``gdn.S``, ``gdn.conv`` whole; ``K``, ``V`` up to the
-length) after each.
+length) after each; then a block verify and its commit, a rollback of two pending
+tokens, and a tree verify (two roots, a branch) with the commit of one path.
 
 The child runs with one thread and the environment that pins kernel choice, so
 the bytes do not depend on the CPU's vector width: ``ATEN_CPU_CAPABILITY=default``
@@ -117,6 +118,22 @@ def run() -> dict[str, str]:
         for d in range(DECODES):
             logits = eng.forward(eng.picks(logits[-1:]))
             record(f"decode{d}", logits)
+        # speculation's verbs: a block verify, a rollback inside it, a tree verify and its commit
+        nxt = int(eng.picks(logits[-1:])[0])
+        block = torch.tensor([nxt, 5, 17, 33], dtype=torch.long)
+        out["block.logits"] = _digest(eng.forward_block(block).logits)
+        eng.commit_tree([0, 1, 2, 3])
+        record("block_commit", eng.forward_block(torch.tensor([7], dtype=torch.long)).logits)
+        eng.discard_pending()
+        eng.trim_pending(2)
+        out["rollback.length"] = str(eng.state.length)
+        eng.settle()
+        tree = torch.tensor([9, 4, 11, 4, 2, 8], dtype=torch.long)
+        parents = torch.tensor([-1, 0, 0, 1, 3, -1], dtype=torch.long)
+        tree_logits = eng.forward_tree(tree, parents).logits
+        eng.commit_tree([0, 1, 3, 4])
+        record("tree_commit", tree_logits)
+        eng.settle()
     return out
 
 
@@ -142,7 +159,7 @@ def main(argv: list[str]) -> int:
     if "--record" in argv:
         FIXTURE.parent.mkdir(parents=True, exist_ok=True)
         about = ("tests/refactor_gate_run.py: sha256 of every logit and state byte of a tiny qwen3_5 "
-                 "engine's prefill and decodes")
+                 "engine's prefill, decodes, block verify, rollback, tree verify and commits")
         FIXTURE.write_text(json.dumps({"about": about, "hashes": hashes}, indent=1, sort_keys=True) + "\n")
         print(f"recorded {len(hashes)} hashes in {FIXTURE.relative_to(ROOT)}")
     else:
