@@ -35,18 +35,12 @@ def raw_config(path: Path) -> dict[str, Any]:
         except json.JSONDecodeError as exc:
             raise LoadError(f"{cfg}: not valid JSON ({exc})") from exc
     if path.suffix == ".gguf":
+        from tandem_core.checkpoint.gguf import GGUFHeaderError, architecture_of
+
         try:
-            from gguf import GGUFReader
-        except ImportError as exc:
-            raise LoadError(f"{path}: reading a GGUF file needs the 'gguf' package") from exc
-        try:
-            reader = GGUFReader(str(path))
-        except (ValueError, OSError) as exc:
-            raise LoadError(f"{path}: not a readable GGUF file ({exc})") from exc
-        field = reader.get_field("general.architecture")
-        if field is None:
-            raise LoadError(f"{path}: GGUF metadata has no general.architecture")
-        arch = bytes(field.parts[field.data[0]]).decode()
+            arch = architecture_of(path)
+        except GGUFHeaderError as exc:
+            raise LoadError(str(exc)) from exc
         return {"model_type": arch, "format": "gguf", "gguf_path": str(path)}
     raise LoadError(f"{path}: not a checkpoint directory or a .gguf file")
 
