@@ -8,6 +8,8 @@ safetensors shards, ``tokenizer.json`` and the template of
 ``config.json`` and exactly one ``.gguf`` file serves that file.
 
 Llama models write tool calls in the Hermes JSON form and no ``<think>`` block.
+Options read (``ServeArgs.options``): ``max_tree``, the widest tree one verify
+carries (default 64).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         torch.set_num_threads(int(args.threads))
     dense = bool(SETTINGS.get("LLAMA_DENSE"))
     chunk = int(SETTINGS.get("LLAMA_PREFILL_CHUNK"))
+    max_tree = int(args.options.get("max_tree", 64))
     kind, path = resolve_path(args.path)
     ctx.mark("open")
     tokenizer: HFTokenizer
@@ -96,7 +99,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         ctx.log(f"llama: context capped at the model's {cfg.max_position_embeddings} tokens")
 
     def spawn() -> Engine:
-        return LlamaEngine(cfg, weights, max_context=max_ctx, prefill_chunk=chunk)
+        return LlamaEngine(cfg, weights, max_context=max_ctx, prefill_chunk=chunk, max_tree=max_tree)
 
     engine = spawn()
     ctx.mark("engine")

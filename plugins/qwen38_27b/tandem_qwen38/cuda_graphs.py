@@ -168,6 +168,12 @@ class _Meta:
         self.ids_host = torch.zeros(W, dtype=torch.int64, pin_memory=pin)
         self.ids = torch.zeros(W, dtype=torch.int64, device=device)
         self.np = self.host.numpy()
+        self.done = torch.cuda.Event() if pin else None
+
+    def writable(self) -> None:
+        """Wait until the last upload has left the pinned buffer (a step may be queued behind others)."""
+        if self.done is not None:
+            self.done.synchronize()
 
     def d(self, name: str) -> torch.Tensor:
         o, n = self.off[name]
@@ -180,6 +186,8 @@ class _Meta:
     def upload(self) -> None:
         self.dev.copy_(self.host, non_blocking=True)
         self.ids.copy_(self.ids_host, non_blocking=True)
+        if self.done is not None:
+            self.done.record()
 
 
 class CudaRunner:
@@ -318,6 +326,7 @@ class CudaRunner:
     def _fill_tree(self, meta: _Meta, tokens: Sequence[int], parents: Sequence[int]) -> None:
         n, W, kw = len(tokens), meta.W, self.kw
         depth, win, anc, plan = tree_tables(parents, kw)
+        meta.writable()
         L = self.length
         meta.np[:] = 0
         meta.h("head")[:3] = (L, n, 0)
@@ -396,6 +405,7 @@ class CudaRunner:
                 raise ValueError(f"commit: path {list(path)} is not a root-to-leaf path of the verified tree")
             prev = i
         meta = self.commit_meta
+        meta.writable()
         meta.np[:] = 0
         meta.h("head")[:3] = (self.length, d, d)
         meta.h("path")[:d] = path
