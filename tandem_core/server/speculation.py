@@ -5,7 +5,8 @@
 - ``--spec off`` (or no drafter named): plain decoding;
 - an engine without tree verbs (``caps.tree`` off): plain decoding, one log line;
 - a drafter that does not fit the target (``check_target``): refused by name, plain decoding;
-- the load-time self-check (``spec.selfcheck``) replays a recorded decode as chains and
+- the self-check (``spec.selfcheck``), on a spare engine in the background when the plugin can
+  spawn one (the server decodes plainly until it passes), replays a recorded decode as chains and
   trees of every verify width up to ``--max-tree`` and compares every row bit for bit: on a
   difference speculation is off for the process, with one log line naming the layer and row,
   and ``/health`` says so.
@@ -19,6 +20,7 @@ acceptance.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -55,9 +57,25 @@ class ServerSpeculation:
         self.drafters = drafters
         self.max_tree = max_tree
         self.selfcheck = selfcheck
+        self.checking: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def settle(self, enabled: bool, reason: str, selfcheck: dict[str, Any] | None) -> None:
+        """The self-check's verdict (from its thread): speculation on or off for the process."""
+        with self._lock:
+            self.selfcheck = selfcheck
+            self.reason = reason
+            self.enabled = enabled
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a background self-check; True when speculation is on."""
+        if self.checking is not None:
+            self.checking.join(timeout)
+        return self.enabled
 
     def for_slot(self, index: int) -> Speculation | None:
-        return self.per_engine[index] if self.enabled else None
+        with self._lock:
+            return self.per_engine[index] if self.enabled else None
 
     def totals(self) -> SpecStats:
         out = SpecStats()
@@ -109,6 +127,9 @@ def _off(reason: str, n: int, drafters: tuple[str, ...], max_tree: int,
 
 def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptions,
                       profile: str = "fp32") -> ServerSpeculation:
+    """Decide and build. The self-check runs on an engine of its own when the plugin can ``spawn``
+    one (in a background thread: the server listens at once and decodes plainly until the check
+    passes), else on the first engine before the server listens."""
     n = len(engines)
     names = tuple(options.drafters)
     if not names:
@@ -123,27 +144,39 @@ def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptio
         per_engine_drafters = [[build_drafter(name, target) for name in names] for _ in engines]
     except (DrafterMismatch, KeyError, TypeError) as exc:
         return _off(str(exc).strip("'\""), n, names, max_tree)
-    check: dict[str, Any] | None = None
-    if options.selfcheck:
+    device = _device_name(caps.device.split(":")[0])
+    per_engine = [Speculation(ds, StairCut.for_model(served.model_id, profile, device, max_tree=max_tree), max_tree)
+                  for ds in per_engine_drafters]
+    prices = "from file" if per_engine[0].cut.table is not None else "learnt online"
+    if not options.selfcheck:
+        log.info("speculation on without the self-check: drafters %s, max tree %d, prices %s",
+                 ",".join(names), max_tree, prices)
+        return ServerSpeculation(True, "on (self-check skipped)", per_engine, names, max_tree, None)
+    spec = ServerSpeculation(False, "self-check running", per_engine, names, max_tree, None)
+
+    def check(engine: Any) -> None:
         from tandem_core.spec.selfcheck import run_selfcheck
 
-        result = run_selfcheck(engines[0], tokens=options.selfcheck_tokens, max_width=max_tree)
-        check = {"ok": result.ok, "rows": result.rows_checked, "widths": len(result.widths),
-                 "seconds": round(result.seconds, 2), "mismatch": result.first_mismatch}
-        if not result.ok:
+        result = run_selfcheck(engine, tokens=options.selfcheck_tokens, max_width=max_tree)
+        verdict = {"ok": result.ok, "rows": result.rows_checked, "widths": len(result.widths),
+                   "seconds": round(result.seconds, 2), "mismatch": result.first_mismatch}
+        if result.ok:
+            log.info("self-check passed: %d rows bit for bit, verify widths 1..%d, %.2fs; speculation on: "
+                     "drafters %s, prices %s", result.rows_checked, max_tree, result.seconds, ",".join(names), prices)
+            spec.settle(True, "on", verdict)
+        else:
             log.warning("speculation off for this process: the self-check found a verified row that differs "
                         "from decode: %s", result.first_mismatch)
-            return ServerSpeculation(False, f"self-check failed: {result.first_mismatch}", [None] * n, names,
-                                     max_tree, check)
-        log.info("self-check passed: %d rows bit for bit, verify widths 1..%d, %.2fs",
-                 result.rows_checked, max_tree, result.seconds)
-    device = caps.device.split(":")[0]
-    per_engine = [Speculation(ds, StairCut.for_model(served.model_id, profile, _device_name(device),
-                                                     max_tree=max_tree), max_tree)
-                  for ds in per_engine_drafters]
-    log.info("speculation on: drafters %s, max tree %d, prices %s", ",".join(names), max_tree,
-             "from file" if per_engine[0].cut.table is not None else "learnt online")
-    return ServerSpeculation(True, "on", per_engine, names, max_tree, check)
+            spec.settle(False, f"self-check failed: {result.first_mismatch}", verdict)
+
+    if served.spawn is not None:
+        spare = served.spawn()
+        spec.checking = threading.Thread(target=check, args=(spare,), name="tandem-selfcheck", daemon=True)
+        spec.checking.start()
+        log.info("self-check started on a spare engine: plain decoding until it passes")
+    else:
+        check(engines[0])   # leaves the engine reset: before the caches attach
+    return spec
 
 
 def _device_name(device: str) -> str:

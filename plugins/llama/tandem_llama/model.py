@@ -404,7 +404,7 @@ class LlamaEngine:
         ids = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
         if ids.numel() == 0:
             raise ValueError(f"{verb}: no tokens")
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = (int(t) for t in torch.aminmax(ids))
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(
                 f"{verb}: token id {lo if lo < 0 else hi} is outside the vocabulary (size {self.cfg.vocab_size})"
