@@ -381,7 +381,7 @@ def test_engine_contract(tmp_path, bpe):
     served = _serve(write_gguf(tmp_path / "tiny.gguf", _hf_model(True), bpe, "Q8_0"))
     eng = served.engine
     assert isinstance(eng, Engine)
-    assert eng.caps.tree is False and eng.caps.max_context == 128 and eng.caps.dtype == "fp32"
+    assert eng.caps.tree and eng.caps.max_tree == 64 and eng.caps.max_context == 128 and eng.caps.dtype == "fp32"
     logits = eng.forward(PROMPT)
     assert logits.shape == (1, 320) and eng.kv.length == len(PROMPT)
     assert eng.hidden_post_norm().shape == (len(PROMPT), 64)

@@ -2,7 +2,9 @@
 
     python3 tools/bench_gpu.py engine --out DIR     our engine: checks, decode, verify curve, prefill, price file
     python3 tools/bench_gpu.py peer --out DIR [--fla DIR]   transformers' Qwen3_5ForCausalLM at the same shape
-    python3 tools/bench_gpu.py report --out DIR     tables (markdown) from the JSON the two wrote
+    python3 tools/bench_gpu.py integrated --out DIR the same shape through Qwen38Engine's verbs (the CUDA graph
+                                                    path wired into the engine) beside a bare CudaRunner
+    python3 tools/bench_gpu.py report --out DIR     tables (markdown) from the JSON the others wrote
 
 ``engine`` measures the copy bandwidth and the decode floor (every weight read once),
 builds the engine on the GPU, checks on the GPU that verified rows equal decode rows bit
@@ -457,6 +459,188 @@ def run_engine(out: Path, budget_s: float, tune: bool = True) -> dict:
     return R
 
 
+# -- the integrated engine ----------------------------------------------------------------------------------
+def random_qwen38_weights(cfg, torch, seed: int = 0):
+    """``Qwen38Weights`` at ``cfg``'s shape with random bf16 weights built on the GPU, through ``build_weights``
+    (the loader's own construction), scaled as ``random_weights``."""
+    from tandem_qwen38.weights import build_weights, expected_tensors
+
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    shapes = {name: e.shape for name, e in expected_tensors(cfg).items()}
+
+    def get(name: str):
+        shape = shapes[name]
+        if name.endswith("A_log"):
+            return torch.log(torch.rand(shape, device="cuda", generator=g) * 15 + 1)
+        if name.endswith("conv1d.weight"):
+            return torch.randn(shape, device="cuda", generator=g) * 0.5
+        if name == "embed_tokens.weight":
+            return torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        if len(shape) == 2:
+            return torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) * (shape[1] ** -0.5)
+        return torch.randn(shape, device="cuda", generator=g) * (0.5 if name.endswith("dt_bias") else 0.1)
+
+    return build_weights(get, cfg, "bf16", "cuda", tied=False)
+
+
+def run_integrated(out: Path, budget_s: float, ctx: int = 4096) -> dict:
+    """Decode at ``ctx`` and verify 16 / 64 through ``Qwen38Engine`` (forward, forward_tree, picks, commit_tree,
+    settle), beside a bare ``CudaRunner`` over the same fused weights (same matmul plans) at the same context."""
+    import torch
+
+    from tandem_qwen38.config import read_config
+    from tandem_qwen38.cuda_graphs import CudaRunner, fuse_weights
+    from tandem_qwen38.model import Qwen38Engine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    R: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "context": ctx}
+    cfg = read_config(SHAPE)
+    gen = torch.Generator().manual_seed(3)
+
+    def rand_ids(n):
+        return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+
+    with phase(R, "build"):
+        t = time.time()
+        w = random_qwen38_weights(cfg, torch)
+        torch.cuda.synchronize()
+        R["weights_GB"] = w.nbytes / 1e9
+        log(f"weights {R['weights_GB']:.1f} GB in {time.time() - t:.1f}s")
+        t = time.time()
+        eng = Qwen38Engine(cfg, w, max_context=ctx + 1024, prefill_chunk=4096, max_tree=64)
+        R["engine_build_s"] = time.time() - t
+        R["caps"] = {"device": eng.caps.device, "dtype": eng.caps.dtype, "max_tree": eng.caps.max_tree}
+        log(f"engine built and captured in {R['engine_build_s']:.1f}s: {R['caps']}")
+        ids = rand_ids(ctx)
+        t = time.time()
+        first = int(eng.picks(eng.forward(ids))[0])
+        torch.cuda.synchronize()
+        R["prefill_tok_s"] = ctx / (time.time() - t)
+        snap = eng.state.clone()
+
+    def events(fn, reps: int) -> tuple[float, float]:
+        """Median device ms (events from the call to ``mark()``, which ``fn`` calls once the verb has queued its
+        work, before the picks) and host ms (the call through the picks, which wait for the device)."""
+        dev_ms, host_ms = [], []
+        for i in range(reps + 3):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            e0.record()
+            fn(e1.record)
+            host = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize()
+            if i >= 3:
+                dev_ms.append(e0.elapsed_time(e1))
+                host_ms.append(host)
+        return statistics.median(dev_ms), statistics.median(host_ms)
+
+    with phase(R, "engine"):
+        tok = [first]
+
+        def step(mark):
+            lg = eng.forward([tok[-1]])
+            mark()
+            tok.append(int(eng.picks(lg)[0]))
+
+        eng.state.restore(snap)
+        R["engine_decode_ms"], R["engine_decode_host_ms"] = events(step, 30)
+        R["engine_verify_ms"], R["engine_round_ms"] = {}, {}
+        for W in (16, 64):
+            chain = rand_ids(W)
+            par = list(range(-1, W - 1))
+            eng.state.restore(snap)
+
+            def verify(mark):
+                lg = eng.forward_tree(chain, par).logits
+                mark()
+                eng.picks(lg).tolist()
+                eng.discard_pending()
+
+            R["engine_verify_ms"][W] = events(verify, 10)
+
+            def round_(mark):
+                eng.picks(eng.forward_tree(chain, par).logits).tolist()
+                eng.commit_tree(list(range(W)))
+                eng.settle()
+                mark()
+
+            eng.state.restore(snap)
+            R["engine_round_ms"][W] = events(round_, 8)       # the context grows by W a round (< 800 tokens)
+        log(f"engine: decode {R['engine_decode_ms']:.2f} ms (host {R['engine_decode_host_ms']:.2f}), "
+            f"verify {R['engine_verify_ms']}, round (verify + picks + commit of the whole chain + settle) "
+            f"{R['engine_round_ms']}")
+
+    with phase(R, "runner"):
+        n_attn = len(cfg.attention_layers)
+        S = torch.zeros_like(eng.state.sections["gdn.S"])
+        conv = torch.zeros_like(eng.state.sections["gdn.conv"])
+        K = torch.zeros(n_attn, cfg.num_key_value_heads, ctx + 1024 + 64, cfg.head_dim, dtype=torch.bfloat16,
+                        device="cuda")
+        V = torch.zeros_like(K)
+        run = CudaRunner(cfg, fuse_weights(w, cfg), S, conv, K, V, max_context=ctx + 1024 + 64,
+                         widths=(1, 2, 4, 8, 16, 24, 32, 48, 64), prefill_chunk=4096)
+        run.prefill(ids)
+        run.capture()
+        keep = (S.clone(), conv.clone(), run.length)
+        rt = [first]
+
+        def rstep(mark):
+            lg = run.decode(rt[-1])
+            mark()
+            rt.append(run.picks(lg)[0])
+
+        R["runner_decode_ms"], R["runner_decode_host_ms"] = events(rstep, 30)
+        R["runner_verify_ms"] = {}
+        for W in (16, 64):
+            S.copy_(keep[0])
+            conv.copy_(keep[1])
+            run.length = keep[2]
+            chain = rand_ids(W)
+            par = list(range(-1, W - 1))
+
+            def rverify(mark):
+                lg = run.verify(chain, par)
+                mark()
+                run.picks(lg)
+
+            R["runner_verify_ms"][W] = events(rverify, 10)
+        log(f"runner: decode {R['runner_decode_ms']:.2f} ms (host {R['runner_decode_host_ms']:.2f}), "
+            f"verify {R['runner_verify_ms']}")
+        same = [first]
+        eng.state.restore(snap)
+        for _ in range(16):
+            same.append(int(eng.picks(eng.forward([same[-1]]))[0]))
+        R["engine_decode_equals_runner"] = same[:17] == rt[:17]
+    (out / "integrated.json").write_text(json.dumps(R, indent=1, default=str))
+    return R
+
+
+def integrated_table(R: dict) -> str:
+    lines = [f"Integrated engine at {R.get('context')} tokens of context ({R.get('device')}, torch {R.get('torch')}):",
+             "", "| what | Qwen38Engine verbs (device ms / host ms) | bare CudaRunner (device ms / host ms) |",
+             "|---|---|---|"]
+    if "engine_decode_ms" in R and "runner_decode_ms" in R:
+        lines.append(f"| decode, ms/token (forward + picks) | {R['engine_decode_ms']:.2f} / "
+                     f"{R['engine_decode_host_ms']:.2f} | {R['runner_decode_ms']:.2f} / "
+                     f"{R['runner_decode_host_ms']:.2f} |")
+    for W in ("16", "64"):
+        e = R.get("engine_verify_ms", {}).get(W) or R.get("engine_verify_ms", {}).get(int(W))
+        r = R.get("runner_verify_ms", {}).get(W) or R.get("runner_verify_ms", {}).get(int(W))
+        if e and r:
+            lines.append(f"| verify {W} (forward_tree + picks) | {e[0]:.2f} / {e[1]:.2f} | {r[0]:.2f} / {r[1]:.2f} |")
+    for W in ("16", "64"):
+        e = R.get("engine_round_ms", {}).get(W) or R.get("engine_round_ms", {}).get(int(W))
+        if e:
+            lines.append(f"| round {W} (+ commit_tree of all {W} + settle), host ms | {e[1]:.2f} | |")
+    lines += ["", f"engine build + graph capture {R.get('engine_build_s', 0):.1f} s; prefill "
+              f"{R.get('prefill_tok_s', 0):,.0f} tok/s (chunk 4096, first call, compiles); caps {R.get('caps')}; "
+              f"engine decode tokens equal the runner's: {R.get('engine_decode_equals_runner')}"]
+    if R.get("errors"):
+        lines.append("Phases that failed: " + ", ".join(R["errors"]))
+    return "\n".join(lines) + "\n"
+
+
 # -- the peer: transformers ----------------------------------------------------------------------------------
 def run_peer(out: Path, fla: bool, budget_s: float) -> dict:
     import torch
@@ -605,7 +789,7 @@ def report(out: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["engine", "peer", "report"])
+    ap.add_argument("part", choices=["engine", "integrated", "peer", "report"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--fla", action="store_true", help="the peer with flash-linear-attention importable")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which long phases are skipped")
@@ -619,6 +803,11 @@ def main() -> None:
         if R.get("errors"):
             for k, v in R["errors"].items():
                 print(f"==== {k}\n{v}")
+    elif a.part == "integrated":
+        R = run_integrated(out, a.budget)
+        print(integrated_table(R))
+        for k, v in R.get("errors", {}).items():
+            print(f"==== {k}\n{v}")
     elif a.part == "peer":
         R = run_peer(out, a.fla, a.budget)
         print(json.dumps({k: v for k, v in R.items() if k != "errors"}, default=str))

@@ -7,7 +7,9 @@ keeps the sequence length on the host. Every hot step is one graph replay:
     decode(token)            graph "decode": the one-node tree, its state stored in place
     verify(tokens, parents)  graph of the smallest captured width >= N (1..128); nothing committed
     commit(path)             three launches: K/V rows, conv tails, the Gated DeltaNet state replayed
-                             along the path (every layer in one launch)
+                             along the path (every layer in one launch); ``keep=True`` also returns
+                             the path's rule rows (``PathRows``) so that ``replay`` can redo it
+    replay(rows)             the state advanced along kept rows (taking back pending tokens)
     prefill(ids)             eager, ``prefill_chunk`` rows at a time: cuBLAS projections, the chunked
                              gated delta rule, flash attention (lower-right causal) over the cache
 
@@ -20,14 +22,15 @@ decode row bit for bit.
 Weights: each layer's projections that read the same input are one matrix
 (``[qkv | z | b | a]``, ``[gate | up]``, ``[q | k | v]``), so one launch reads them;
 ``fuse_weights`` builds them from ``Qwen38Weights`` and rebinds each dense weight to its
-rows of the fused matrix (same values, no second copy).
+rows of the fused matrix (same values, no second copy); on weights fused before (another
+engine over the same ``Qwen38Weights``) it returns the same matrices.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +38,8 @@ import torch.nn.functional as F
 
 from tandem_qwen38.config import Qwen38Config
 
-__all__ = ["WIDTHS", "GdnW", "AttnW", "LayerW", "FusedWeights", "fuse_weights", "CudaRunner", "tree_tables"]
+__all__ = ["WIDTHS", "GdnW", "AttnW", "LayerW", "FusedWeights", "fuse_weights", "CudaRunner", "tree_tables",
+           "PathRows", "runner_widths", "unsupported"]
 
 WIDTHS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -95,8 +99,24 @@ class FusedWeights:
 
 
 def _fuse(linears: Sequence[Any]) -> torch.Tensor:
-    """Concatenate dense weights by rows and point each at its rows of the result (values unchanged)."""
-    fused = torch.cat([lin.weight for lin in linears], dim=0).contiguous()
+    """Concatenate dense weights by rows and point each at its rows of the result (values unchanged).
+    Weights that already lie one after another in one storage (fused before) are returned as that matrix."""
+    ws = [lin.weight for lin in linears]
+    first = ws[0]
+    rows = sum(int(w.shape[0]) for w in ws)
+    K = int(first.shape[1])
+    step = K * first.element_size()
+    ptr = first.data_ptr()
+    adjacent = True
+    for w in ws:
+        if (not w.is_contiguous() or w.shape[1] != K or w.dtype != first.dtype
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or w.data_ptr() != ptr):
+            adjacent = False
+            break
+        ptr += int(w.shape[0]) * step
+    if adjacent:
+        return first.as_strided((rows, K), (K, 1))
+    fused = torch.cat(ws, dim=0).contiguous()
     row = 0
     for lin in linears:
         n = lin.weight.shape[0]
@@ -127,6 +147,58 @@ def fuse_weights(weights: Any, cfg: Qwen38Config) -> FusedWeights:
     return FusedWeights(weights.embed, weights.head.weight, weights.norm.float(), layers,
                         torch.stack(alog) if alog else torch.zeros(0, cfg.linear_num_value_heads, device=dev),
                         torch.stack(dtb) if dtb else torch.zeros(0, cfg.linear_num_value_heads, device=dev))
+
+
+def unsupported(cfg: Qwen38Config, weights: Any) -> str | None:
+    """Why ``CudaRunner`` cannot run this model (None: it can): bf16 dense weights without bias on a CUDA
+    device, head sizes the kernels tile (powers of two for attention, at least 16 for the recurrent rule)."""
+    from tandem_core.linear import DenseLinear
+
+    if weights.device.type != "cuda":
+        return f"weights on {weights.device}, not a CUDA device"
+    if weights.dtype != "bf16":
+        return f"weights in {weights.dtype}, the CUDA kernels read bf16"
+    for lin in weights.linears():
+        if not isinstance(lin, DenseLinear) or lin.bias is not None or lin.weight.dtype != torch.bfloat16:
+            return f"a weight in format {getattr(lin, 'format', type(lin).__name__)} (the kernels read dense bf16)"
+    D = cfg.head_dim
+    if cfg.attention_layers and (D < 16 or D & (D - 1)):
+        return f"head_dim {D} is not a power of two >= 16"
+    if cfg.linear_layers and min(cfg.linear_key_head_dim, cfg.linear_value_head_dim) < 16:
+        return "linear attention heads narrower than 16"
+    return None
+
+
+def runner_widths(max_tree: int) -> tuple[int, ...]:
+    """The verify widths to capture for trees of up to ``max_tree`` nodes: ``WIDTHS`` up to the first one
+    that holds ``max_tree`` (at most the widest, 128)."""
+    out = []
+    for w in WIDTHS:
+        out.append(w)
+        if w >= max_tree:
+            break
+    return tuple(out)
+
+
+class PathRows(NamedTuple):
+    """Committed tokens' Gated DeltaNet inputs, one row a token, every GDN layer: what ``replay`` needs to
+    redo their state update (the tree kernel's own inputs, so the replay is the commit bit for bit)."""
+
+    qkv: torch.Tensor       # [L_gdn, P, C] fp32: conv + silu output, q and k heads L2-normalised
+    proj: torch.Tensor      # [L_gdn, P, n_in] bf16: the input projection (conv inputs | z | b | a)
+
+    @property
+    def count(self) -> int:
+        return int(self.qkv.shape[1])
+
+    def head(self, n: int) -> "PathRows":
+        return PathRows(self.qkv[:, :n], self.proj[:, :n])
+
+    @staticmethod
+    def cat(parts: Sequence["PathRows"]) -> "PathRows":
+        if len(parts) == 1:
+            return parts[0]
+        return PathRows(torch.cat([p.qkv for p in parts], dim=1), torch.cat([p.proj for p in parts], dim=1))
 
 
 # -- the tree's tables -------------------------------------------------------------------------------------
@@ -389,14 +461,15 @@ class CudaRunner:
         self._tree_parents = [int(p) for p in parents]
         return self.logits[:n]
 
-    def commit(self, path: Sequence[int]) -> None:
-        """Append the verified tree's nodes ``path`` (root to leaf) to the sequence."""
+    def commit(self, path: Sequence[int], keep: bool = False) -> PathRows | None:
+        """Append the verified tree's nodes ``path`` (root to leaf) to the sequence. ``keep``: also return the
+        path's rule rows (new tensors), for a later ``replay`` from the state before this commit."""
         from tandem_core.ops import triton_fused as tf
         from tandem_core.ops import triton_gdn as tg
 
         d = len(path)
         if d == 0:
-            return
+            return None
         if self._tree_n == 0:
             raise RuntimeError("commit: no verified tree")
         prev = -1
@@ -412,15 +485,47 @@ class CudaRunner:
         meta.h("pplan")[:3 * d] = [*path, *([-1] * d), *([-1] * d)]
         meta.upload()
         head = meta.d("head")
+        n_gdn = len(self.cfg.linear_layers)
         if len(self.cfg.attention_layers):
             tf.kv_commit(self.K, self.V, head, meta.d("path"), head[2:3])
-        if len(self.cfg.linear_layers):
+        if n_gdn:
             tf.conv_commit(self.conv, self.proj, meta.d("path"), head[2:3])
             tg.gdn_tree(self.qkvc, self.proj, self.col_b, self.col_a, self.fw.A_log, self.fw.dt_bias, self.S,
                         self.branch, self.o, meta.d("pplan"), head[2:3], write_out=False, final_store=True,
-                        scale=self.dk ** -0.5, num_k_heads=self.hk, layers=len(self.cfg.linear_layers))
+                        scale=self.dk ** -0.5, num_k_heads=self.hk, layers=n_gdn)
         self.length += d
         self._tree_n = 0
+        if not keep:
+            return None
+        at = meta.d("path")[:d]
+        return PathRows(self.qkvc[:n_gdn].index_select(1, at), self.proj[:n_gdn].index_select(1, at))
+
+    def replay(self, rows: PathRows) -> None:
+        """Advance the recurrent state (``S``, ``conv``) along ``rows`` as one chain: the commit's own launches
+        on the same inputs, so the state equals the commits' (and plain decode's) bit for bit. The caller puts
+        the state the rows start from in place first and keeps ``length``."""
+        from tandem_core.ops import triton_fused as tf
+        from tandem_core.ops import triton_gdn as tg
+
+        P, n_gdn = rows.count, len(self.cfg.linear_layers)
+        if P == 0 or n_gdn == 0:
+            return
+        plan = torch.tensor([*range(P), *([-1] * P), *([-1] * P)], dtype=torch.int32).to(self.device)
+        n = torch.tensor([P], dtype=torch.int32).to(self.device)
+        tf.conv_commit(self.conv, rows.proj, plan[:P], n)
+        tg.gdn_tree(rows.qkv, rows.proj, self.col_b, self.col_a, self.fw.A_log, self.fw.dt_bias, self.S,
+                    self.branch, self.o, plan, n, write_out=False, final_store=True, scale=self.dk ** -0.5,
+                    num_k_heads=self.hk, layers=n_gdn)
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the runner's own buffers (rows, partials, scratch, logits, round inputs)."""
+        ts = [self.x, self.h, self.parts, self.pbuf, self.gu, self.act, self.proj, self.qkvc, self.o, self.onorm,
+              self.branch, self.aproj, self.qrot, self.aout, self.logits]
+        a = self.ascratch
+        ts += [a.m, a.l, a.acc, a.tm, a.tl, a.tacc]
+        for m in [*self.metas.values(), self.decode_meta, self.commit_meta]:
+            ts += [m.dev, m.ids]
+        return sum(t.numel() * t.element_size() for t in ts)
 
     def picks(self, logits: torch.Tensor) -> list[int]:
         """The greedy picks of a step's rows (the round's one host sync)."""
@@ -459,8 +564,10 @@ class CudaRunner:
 
     # -- prefill -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, ids: Sequence[int] | torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Append ``ids``; return fp32 logits of the last row ``[1, V]`` (or every row's)."""
+    def prefill(self, ids: Sequence[int] | torch.Tensor, all_logits: bool = False,
+                hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Append ``ids``; return fp32 logits of the last row ``[1, V]`` (or every row's). ``hidden``: a list
+        that gets each chunk's rows after the final norm (``[t, H]`` bf16, new tensors)."""
         t = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
         T = int(t.numel())
         if T == 0:
@@ -470,6 +577,8 @@ class CudaRunner:
         outs = []
         for s in range(0, T, self.prefill_chunk):
             h = self._prefill_rows(t[s:s + self.prefill_chunk])
+            if hidden is not None:
+                hidden.append(h)
             if all_logits:
                 outs.append(F.linear(h, self.fw.head).float())
         if not all_logits:

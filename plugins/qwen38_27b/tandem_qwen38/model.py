@@ -48,10 +48,23 @@ up to the new length. ``forward`` settles first: its tokens are permanent.
 
 Every op comes from ``tandem_core.ops`` for the engine's device (a kernel where
 one is registered, else the plain-torch reference).
+
+On a CUDA device with Triton importable and bf16 dense weights, the hot verbs run
+on ``tandem_qwen38.cuda_graphs.CudaRunner`` over these same buffers: ``forward`` of
+one token replays the decode graph, of more runs the chunked prefill; ``forward_tree``
+and ``forward_block`` replay the verify graph of the smallest captured width that holds
+the tree (``caps.max_tree`` is the widest); ``commit_tree`` is the runner's commit,
+which also keeps the path's rule rows so ``trim_pending``/``rollback_to`` replay them
+from the state kept at the settle. ``kv.length`` stays on the host; the K/V buffers
+hold ``caps.max_tree`` positions past ``max_context`` (a verify writes node ``i``'s
+row at ``length + i``). No layer trace there (``caps.trace`` off). The kernels whose
+contract equals a reference op's are registered for ``"cuda"``
+(``tandem_core.ops.cuda_backend``) when such an engine is built.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -210,7 +223,8 @@ class _Pending:
     start: int
     S: torch.Tensor                                   # gdn.S at ``start``
     conv: torch.Tensor                                # gdn.conv at ``start``
-    rows: list[dict[int, _RuleRows]] = field(default_factory=list)   # one entry a commit, by GDN slot
+    # one entry a commit: by GDN slot (the reference path), or the CUDA runner's ``PathRows``
+    rows: list[Any] = field(default_factory=list)
     count: int = 0
 
 
@@ -239,6 +253,7 @@ class Qwen38Engine:
         self.gdn_chunk = int(gdn_chunk)
         self.max_context = int(max_context)
         self.max_tree = int(max_tree)
+        widths = _cuda_widths(cfg, weights, self.max_tree)       # () unless the CUDA graph path runs
         self._ops: dict[str, Callable[..., Any]] = {name: ops.get(name, self.device) for name in ENGINE_OPS}
 
         n_gdn, n_attn = len(cfg.linear_layers), len(cfg.attention_layers)
@@ -246,7 +261,8 @@ class Qwen38Engine:
         self._S = torch.zeros(n_gdn, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                               cfg.linear_value_head_dim, dtype=torch.float32, device=dev)
         self._conv = torch.zeros(n_gdn, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=act, device=dev)
-        kv_shape = (n_attn, cfg.num_key_value_heads, self.max_context, cfg.head_dim)
+        slack = widths[-1] if widths else 0                      # a verify's rows past the last position
+        kv_shape = (n_attn, cfg.num_key_value_heads, self.max_context + slack, cfg.head_dim)
         self._K = torch.zeros(kv_shape, dtype=act, device=dev)
         self._V = torch.zeros(kv_shape, dtype=act, device=dev)
         self._inv_freq = _rope.inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)
@@ -258,9 +274,27 @@ class Qwen38Engine:
         self._hidden_cat: torch.Tensor | None = None
         self._tree: _Verified | None = None
         self._pending: _Pending | None = None
+        self._cuda: Any = None                                  # the CudaRunner, when the graph path runs
+        if widths:
+            self._build_cuda(widths)
         self.caps = Capabilities(tree=True, resume=True, recurrent=True, max_context=self.max_context,
-                                 max_tree=self.max_tree, hidden_layers=(), device=str(dev),
-                                 dtype=weights.dtype, trace=True)
+                                 max_tree=self.max_tree, hidden_layers=(),
+                                 device="cuda" if dev.type == "cuda" else str(dev),
+                                 dtype=weights.dtype, trace=self._cuda is None)
+
+    def _build_cuda(self, widths: tuple[int, ...]) -> None:
+        """The CUDA graph path over this engine's buffers: fused weights (shared by every engine over these
+        weights), the runner, its graphs captured now, and the sections kept at a settle."""
+        from tandem_qwen38.cuda_graphs import CudaRunner, fuse_weights
+
+        run = CudaRunner(self.cfg, fuse_weights(self.w, self.cfg), self._S, self._conv, self._K, self._V,
+                         max_context=self._K.shape[2], widths=widths, prefill_chunk=self.prefill_chunk)
+        with torch.no_grad():
+            run.capture()
+        self._cuda = run
+        self.max_tree = widths[-1]
+        self._keep_S = torch.empty_like(self._S)
+        self._keep_conv = torch.empty_like(self._conv)
 
     # -- hot verbs ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -315,6 +349,9 @@ class Qwen38Engine:
         self._tree = None
         if not idx:
             return
+        if self._cuda is not None:
+            self._cuda_commit(idx)
+            return
         at = torch.tensor(idx, dtype=torch.long, device=self.device)
         start, P = self.kv.length, len(idx)
         if self._pending is None:
@@ -348,6 +385,18 @@ class Qwen38Engine:
         self._S.copy_(pend.S)
         self._conv.copy_(pend.conv)
         keep = n - pend.start
+        if self._cuda is not None:
+            if keep:
+                from tandem_qwen38.cuda_graphs import PathRows
+
+                rows = PathRows.cat(pend.rows).head(keep)
+                self._cuda.replay(rows)
+                pend.rows = [rows]
+            else:
+                pend.rows = []
+            pend.count = keep
+            self.kv.length = n
+            return
         kept: dict[int, _RuleRows] = {}
         if keep:
             kept = {slot: _RuleRows.cat([r[slot] for r in pend.rows]).head(keep) for slot in pend.rows[0]}
@@ -414,6 +463,7 @@ class Qwen38Engine:
     def trace_forward(self, tokens: torch.Tensor | Sequence[int]) -> Trace:
         """``forward(tokens, all_logits=True)`` that also returns the hidden rows after every layer's mixer
         and MLP (the sequence advances as by ``forward``)."""
+        self._no_trace("trace_forward")
         capture: Capture = []
         logits = self._forward(tokens, True, capture)
         return _trace(capture, logits)
@@ -422,9 +472,14 @@ class Qwen38Engine:
                    parents: torch.Tensor | Sequence[int]) -> Trace:
         """``forward_tree`` that also returns the hidden rows after every layer's mixer and MLP (the tree is
         left verified as by ``forward_tree``)."""
+        self._no_trace("trace_tree")
         capture: Capture = []
         out = self._forward_tree(tokens, parents, capture)
         return _trace(capture, out.logits)
+
+    def _no_trace(self, verb: str) -> None:
+        if self._cuda is not None:
+            raise RuntimeError(f"{verb}: the CUDA graph path keeps no per-layer rows (caps.trace is off)")
 
     # -- the forms ----------------------------------------------------------------------------------
     def _ids(self, tokens: torch.Tensor | Sequence[int], verb: str) -> torch.Tensor:
@@ -440,11 +495,11 @@ class Qwen38Engine:
     @torch.no_grad()
     def _forward(self, tokens: torch.Tensor | Sequence[int], all_logits: bool,
                  capture: Capture | None) -> torch.Tensor:
+        if self._cuda is not None:
+            return self._cuda_forward(tokens, all_logits)
         ids = self._ids(tokens, "forward")
         T = int(ids.numel())
-        if self.kv.length + T > self.max_context:
-            raise ContextFull(f"forward: {self.kv.length} tokens held + {T} new exceed max_context "
-                              f"{self.max_context}")
+        self._check_room(T)
         self.settle()
         self._tree = None
         self._hidden, self._hidden_cat = [], None
@@ -465,8 +520,24 @@ class Qwen38Engine:
     @torch.no_grad()
     def _forward_tree(self, tokens: torch.Tensor | Sequence[int], parents: torch.Tensor | Sequence[int],
                       capture: Capture | None) -> TreeOut:
+        if self._cuda is not None:
+            return self._cuda_tree(tokens, parents)
         ids = self._ids(tokens, "forward_tree")
-        N = int(ids.numel())
+        step = self._tree_step(int(ids.numel()), parents)
+        self._tree = None
+        tree = _Verified(step)
+        h = self._layers(ids, tree.step, tree, capture)                    # h: [N, H] after the final norm
+        self._hidden, self._hidden_cat = [h], None
+        self._tree = tree
+        return TreeOut(self._ops["linear_rows"](self.w.head, h).float())
+
+    def _check_room(self, T: int) -> None:
+        if self.kv.length + T > self.max_context:
+            raise ContextFull(f"forward: {self.kv.length} tokens held + {T} new exceed max_context "
+                              f"{self.max_context}")
+
+    def _tree_step(self, N: int, parents: torch.Tensor | Sequence[int]) -> TreeStep:
+        """The checked ``TreeStep`` of ``N`` nodes with ``parents`` on top of the sequence."""
         par = _tree.as_parents(parents)
         if len(par) != N:
             raise ValueError(f"forward_tree: {N} tokens but {len(par)} parents")
@@ -476,12 +547,61 @@ class Qwen38Engine:
         if self.kv.length + max(depth) + 1 > self.max_context:
             raise ContextFull(f"forward_tree: {self.kv.length} tokens held + a path of {max(depth) + 1} "
                               f"exceed max_context {self.max_context}")
+        return TreeStep(self.kv.length, tuple(par), tuple(depth))
+
+    # -- the CUDA graph path (``self._cuda``: tandem_qwen38.cuda_graphs.CudaRunner) -------------------
+    def _host_ids(self, tokens: torch.Tensor | Sequence[int], verb: str) -> list[int]:
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).tolist()
+        if not ids:
+            raise ValueError(f"{verb}: no tokens")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ValueError(f"{verb}: token id {lo if lo < 0 else hi} is outside the vocabulary "
+                             f"(size {self.cfg.vocab_size})")
+        return ids
+
+    def _cuda_forward(self, tokens: torch.Tensor | Sequence[int], all_logits: bool) -> torch.Tensor:
+        # one token: the decode graph (the rows a verify equals); more: the chunked prefill
+        ids = self._host_ids(tokens, "forward")
+        self._check_room(len(ids))
+        self.settle()
         self._tree = None
-        tree = _Verified(TreeStep(self.kv.length, tuple(par), tuple(depth)))
-        h = self._layers(ids, tree.step, tree, capture)                    # h: [N, H] after the final norm
-        self._hidden, self._hidden_cat = [h], None
-        self._tree = tree
-        return TreeOut(self._ops["linear_rows"](self.w.head, h).float())
+        run = self._cuda
+        run.length = self.kv.length
+        if len(ids) == 1:
+            logits = run.decode(ids[0]).float()                              # [1, V], a new tensor
+            self._hidden, self._hidden_cat = [run.h[:1]], None
+        else:
+            hidden: list[torch.Tensor] = []
+            logits = run.prefill(ids, all_logits, hidden)                    # fp32, new
+            self._hidden, self._hidden_cat = hidden, None
+        self.kv.length = run.length
+        return logits
+
+    def _cuda_tree(self, tokens: torch.Tensor | Sequence[int], parents: torch.Tensor | Sequence[int]) -> TreeOut:
+        ids = self._host_ids(tokens, "forward_tree")
+        step = self._tree_step(len(ids), parents)
+        self._tree = None
+        run = self._cuda
+        run.length = self.kv.length
+        logits = run.verify(ids, step.parents).float()                       # [N, V], a new tensor
+        self._hidden, self._hidden_cat = [run.h[:step.count]], None
+        self._tree = _Verified(step)
+        return TreeOut(logits)
+
+    def _cuda_commit(self, idx: list[int]) -> None:
+        # the runner's commit (K/V rows, conv tails, the state replayed along the path), keeping the path's
+        # rule rows; the sections at the settle are kept once, in buffers allocated with the engine
+        if self._pending is None:
+            self._keep_S.copy_(self._S)
+            self._keep_conv.copy_(self._conv)
+            self._pending = _Pending(self.kv.length, self._keep_S, self._keep_conv)
+        run = self._cuda
+        run.length = self.kv.length
+        rows = run.commit(idx, keep=True)
+        self.kv.length = run.length
+        self._pending.rows.append(rows)
+        self._pending.count += len(idx)
 
     def _mm(self, step: Step | TreeStep) -> Callable[[Any, torch.Tensor], torch.Tensor]:
         """How this step multiplies by a weight: row-invariant for a decode step and a verify."""
@@ -605,6 +725,16 @@ class Qwen38Engine:
                     "device": self.device.type}
         extra = {"arch": "qwen3_5", "weights": self.w.identity, "config": asdict(self.cfg),
                  "ops": {n: f"{fn.__module__}:{fn.__qualname__}" for n, fn in sorted(self._ops.items())}}
+        if self._cuda is not None:
+            from tandem_core.ops import triton_matmul
+            from tandem_qwen38 import cuda_graphs
+
+            files.add(Path(inspect.getsourcefile(cuda_graphs) or "").resolve())
+            files |= {Path(inspect.getsourcefile(triton_matmul) or "").with_name(n).resolve()
+                      for n in ("triton_matmul.py", "triton_fused.py", "triton_gdn.py", "triton_attention.py")}
+            settings["path"] = "cuda_graphs"
+            settings["widths"] = list(self._cuda.widths)
+            settings["matmul_plans"] = {f"{n}x{k}": asdict(p) for (n, k), p in sorted(triton_matmul.plans().items())}
         return Manifest(tuple(sorted(str(f) for f in files)), settings, extra)
 
     def memory_parts(self) -> list[MemoryPart]:
@@ -613,16 +743,33 @@ class Qwen38Engine:
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
-        return [
+        parts = [
             MemoryPart("weights", self.w.nbytes, dev),
             MemoryPart("gdn.S", nbytes(self._S), dev),
             MemoryPart("gdn.conv", nbytes(self._conv), dev),
             MemoryPart("kv", nbytes(self._K) + nbytes(self._V), dev),
         ]
+        if self._cuda is not None:
+            keep = nbytes(self._keep_S) + nbytes(self._keep_conv)
+            parts.append(MemoryPart("cuda.workspace", self._cuda.workspace_bytes() + keep, dev))
+        return parts
 
     def __repr__(self) -> str:
         return (f"Qwen38Engine({self.cfg.num_hidden_layers} layers, {self.w.dtype}, {self.device}, "
                 f"{self.kv.length}/{self.max_context} tokens)")
+
+
+def _cuda_widths(cfg: Qwen38Config, weights: Qwen38Weights, max_tree: int) -> tuple[int, ...]:
+    """The verify widths the CUDA graph path captures for ``max_tree``, or ``()`` when it does not run here
+    (not a CUDA device, no Triton, or weights and shapes its kernels do not read). On a CUDA device it
+    also registers the CUDA kernels of the reference ops (``tandem_core.ops.cuda_backend``)."""
+    if weights.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return ()
+    from tandem_core.ops import cuda_backend
+    from tandem_qwen38.cuda_graphs import runner_widths, unsupported
+
+    cuda_backend.install()
+    return () if unsupported(cfg, weights) else runner_widths(max_tree)
 
 
 def _trace(capture: Capture, logits: torch.Tensor) -> Trace:

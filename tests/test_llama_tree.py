@@ -1,0 +1,631 @@
+"""The Llama engine's tree verbs on tiny re-randomised Llama checkpoints (GGUF and Hugging Face directories
+written by tests/test_llama_tiny.py's helpers; its tests check the decode step against transformers).
+
+What is proved, bit for bit (``torch.equal``) against plain decode (``forward`` of one token at a time):
+
+- every verified row of chains of every width 1..max_tree and of random trees (distractors included, each
+  node against plain decode of its own path) equals the decode step's row, and its hidden row too;
+- ``commit_tree`` leaves the state plain decode leaves (views up to length); rejected branches leave no
+  trace; ``rollback_to`` (any length: the model is attention only), ``trim_pending``, ``discard_pending``,
+  ``settle``, ``resume_at`` and a state restore do what the contract says;
+- speculative decoding (``SpecDecode`` with the real lookup drafter, and an oracle drafter) equals plain
+  decoding token for token, greedy and seeded sampling, through stops and max_tokens inside accepted runs;
+- the load-time self-check passes, and fails naming the layer on a deliberately perturbed engine.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixture)
+
+from tandem_core import ops
+from tandem_core.engine import ResumableEngine, TreeEngine
+from tandem_core.serving import ServeArgs, ServeContext
+from tandem_core.spec.selfcheck import LayerTrace, Trace, run_selfcheck
+from tandem_core.state import ModelState, StateMismatch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "plugins" / "drafters") not in sys.path:
+    sys.path.insert(0, str(ROOT / "plugins" / "drafters"))
+
+VOCAB = 320
+WIDTH = 16  # the self-check's widths
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugins_and_one_thread():
+    """The llama and drafters plugins registered (as installed distributions would be); one thread: the
+    tiny model's tensors are far below ATen's grain, so the count changes no arithmetic, and one thread
+    keeps the many small calls fast on a busy runner."""
+    from tandem_drafters import plugin as drafters_plugin
+    from tandem_llama import plugin as llama_plugin
+
+    from tandem_core.plugins import load_plugins, plugin_manager, register_plugin
+
+    load_plugins()
+    pm = plugin_manager()
+    for plug, name in ((llama_plugin, "llama"), (drafters_plugin, "drafters")):
+        if not pm.is_registered(plug) and pm.get_plugin(name) is None:
+            register_plugin(plug, name)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def serve_tiny(path: Path, max_context: int = 256, **options):
+    from tandem_llama.serving import serve
+
+    return serve(ServeArgs(model_id="tiny", path=path, max_context=max_context, options=options), ServeContext())
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory, bpe):
+    qtypes = {"token_embd": "Q8_0", "output": "F16", "attn_q": "Q4_1", "attn_k": "Q8_0", "attn_v": "Q4_1",
+              "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+    return write_gguf(tmp_path_factory.mktemp("llama_tree") / "tiny.gguf", _hf_model(False, seed=3), bpe, qtypes)
+
+
+@pytest.fixture(scope="module")
+def served(gguf_path):
+    return serve_tiny(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def eng(served):
+    return served.engine
+
+
+@pytest.fixture(scope="module")
+def twin(served):
+    """A second engine over the same weights: the plain-decode reference."""
+    return served.spawn()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_same_state(got: ModelState, want: ModelState, when: str = "") -> None:
+    assert got.length == want.length, when
+    assert not got.sections and not want.sections
+    for k, v in want.views.items():
+        assert torch.equal(got.views[k].head(want.length), v.head(want.length)), f"view {k} {when}"
+
+
+class Recorded:
+    """A prompt's state, then a greedy decode: rows[j] after feeding tokens[j], states[j] after it."""
+
+    def __init__(self, engine, ids, n):
+        engine.reset()
+        logits = engine.forward(ids)
+        self.start = engine.state.clone()
+        self.tokens, rows, self.states, self.hidden = [], [], [], []
+        tok = int(engine.picks(logits)[-1])
+        for _ in range(n):
+            self.tokens.append(tok)
+            row = engine.forward([tok])
+            rows.append(row[0])
+            self.hidden.append(engine.hidden_post_norm()[0].clone())
+            self.states.append(engine.state.clone())
+            tok = int(engine.picks(row)[-1])
+        self.rows = torch.stack(rows)
+
+    def state_at(self, j: int) -> ModelState:
+        """After the first ``j`` generated tokens."""
+        return self.start if j == 0 else self.states[j - 1]
+
+
+@pytest.fixture(scope="module")
+def rec(twin):
+    return Recorded(twin, prompt(20, seed=21), 68)
+
+
+def random_tree(rng: random.Random, n: int, path: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """``n`` nodes: ``path`` (if given) as the first chain, then random nodes, some branching off branches;
+    shuffled into a random order with parents first. Returns (tokens, parents)."""
+    tok, par = list(path or []), list(range(-1, len(path or []) - 1))
+    while len(tok) < n:
+        recent = max(0, len(tok) - 4)
+        par.append(rng.choice([-1, *range(len(tok)), *range(recent, len(tok))]))
+        tok.append(rng.randrange(VOCAB))
+    order, ready = [], [i for i in range(n) if par[i] < 0]
+    while ready:
+        i = ready.pop(rng.randrange(len(ready)))
+        order.append(i)
+        ready.extend(j for j in range(n) if par[j] == i)
+    new = {old: k for k, old in enumerate(order)}
+    return [tok[i] for i in order], [-1 if par[i] < 0 else new[par[i]] for i in order]
+
+
+def path_to(parents: list[int], i: int) -> list[int]:
+    out = [i]
+    while parents[out[-1]] >= 0:
+        out.append(parents[out[-1]])
+    return out[::-1]
+
+
+def plain_rows_of_tree(twin, base: ModelState, tokens: list[int], parents: list[int]):
+    """Plain decode of every node's own path: its row, its hidden row and the state after it."""
+    rows, hidden, states = [], [], []
+    for t, p in zip(tokens, parents):
+        twin.state.restore(base if p < 0 else states[p])
+        rows.append(twin.forward([t])[0])
+        hidden.append(twin.hidden_post_norm()[0].clone())
+        states.append(twin.state.clone())
+    return torch.stack(rows), torch.stack(hidden), states
+
+
+# -- the engine contract ------------------------------------------------------------------------------
+def test_the_engine_offers_the_tree_resume_and_trace_verbs(gguf_path, eng):
+    assert isinstance(eng, TreeEngine) and isinstance(eng, ResumableEngine) and isinstance(eng, LayerTrace)
+    caps = eng.caps
+    assert caps.tree and caps.resume and caps.trace and not caps.recurrent and caps.max_tree == 64
+    assert {"linear_rows", "silu"} <= set(eng.manifest().extra["ops"])
+    small = serve_tiny(gguf_path, max_context=64, max_tree=8)
+    assert small.engine.caps.max_tree == 8 and small.spawn().caps.max_tree == 8
+
+
+def test_chains_of_every_width_equal_the_decode_rows_and_commit_its_state(eng, rec):
+    for w in range(1, eng.caps.max_tree + 1):
+        at = w % 5                                              # chains start at several positions
+        eng.state.restore(rec.state_at(at))
+        out = eng.forward_block(rec.tokens[at:at + w])
+        assert out.logits.shape == (w, VOCAB) and out.logits.dtype == torch.float32
+        for j in range(w):
+            assert torch.equal(out.logits[j], rec.rows[at + j]), f"width {w}, node {j}"
+        assert torch.equal(eng.hidden_post_norm(), torch.stack(rec.hidden[at:at + w])), f"width {w} hidden"
+        assert eng.kv.length == rec.start.length + at           # nothing committed yet
+        eng.commit_tree(range(w))
+        assert_same_state(eng.state, rec.state_at(at + w), f"after committing width {w}")
+
+
+@pytest.mark.parametrize("size,seed", [(1, 0), (2, 1), (5, 2), (13, 3), (33, 4), (64, 5)])
+def test_random_trees_equal_plain_decode_of_every_nodes_path(eng, twin, rec, size, seed):
+    rng = random.Random(seed)
+    base = rec.state_at(3)
+    tokens, parents = random_tree(rng, size)
+    eng.state.restore(base)
+    out = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
+    want, hidden, states = plain_rows_of_tree(twin, base, tokens, parents)
+    for i in range(size):
+        assert torch.equal(out.logits[i], want[i]), f"node {i} (parent {parents[i]})"
+    assert torch.equal(eng.hidden_post_norm(), hidden)
+    assert eng.kv.length == base.length
+    # commit the path to the deepest node: the state plain decode of that path leaves
+    leaf = max(range(size), key=lambda i: (len(path_to(parents, i)), -i))
+    eng.commit_tree(path_to(parents, leaf))
+    assert_same_state(eng.state, states[leaf], f"after committing the path to node {leaf}")
+
+
+def _carries(tokens, parents, i, rest):
+    """Node ``i`` heads a chain of descendants carrying ``rest``."""
+    if tokens[i] != rest[0]:
+        return False
+    if len(rest) == 1:
+        return True
+    return any(parents[j] == i and _carries(tokens, parents, j, rest[1:]) for j in range(len(tokens)))
+
+
+def test_rejected_branches_leave_no_trace(eng, rec):
+    rng = random.Random(7)
+    truth = rec.tokens[10:16]
+    tokens, parents = random_tree(rng, 40, path=truth)
+    path, parent = [], -1
+    for t in truth:
+        parent = next(i for i in range(len(tokens)) if parents[i] == parent and tokens[i] == t
+                      and _carries(tokens, parents, i, truth[len(path):]))
+        path.append(parent)
+    eng.state.restore(rec.state_at(10))
+    out = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
+    for d, node in enumerate(path):
+        assert torch.equal(out.logits[node], rec.rows[10 + d])
+    eng.commit_tree(path)
+    eng.settle()
+    assert_same_state(eng.state, rec.state_at(16), "after the commit")
+    for j in range(16, 24):                                    # decoding on is plain decoding
+        assert torch.equal(eng.forward([rec.tokens[j]])[0], rec.rows[j]), f"decode row {j}"
+    assert_same_state(eng.state, rec.state_at(24), "after decoding on")
+    out = eng.forward_block(rec.tokens[24:30])                 # and verifying on is too
+    assert all(torch.equal(out.logits[j], rec.rows[24 + j]) for j in range(6))
+
+
+def test_a_second_tree_replaces_the_first_and_discard_drops_it(eng, rec):
+    eng.state.restore(rec.state_at(0))
+    eng.forward_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0]))
+    out = eng.forward_block(rec.tokens[:4])
+    assert all(torch.equal(out.logits[j], rec.rows[j]) for j in range(4))
+    with pytest.raises(ValueError, match="parent 0, not -1"):
+        eng.commit_tree([1])
+    eng.commit_tree([0, 1])
+    assert_same_state(eng.state, rec.state_at(2))
+    with pytest.raises(RuntimeError, match="no verified tree"):
+        eng.commit_tree([0])                                     # a commit consumes the tree
+    eng.forward_block(rec.tokens[2:5])
+    eng.discard_pending()
+    with pytest.raises(RuntimeError, match="no verified tree"):
+        eng.commit_tree([0])
+    assert_same_state(eng.state, rec.state_at(2), "discard_pending changes nothing committed")
+    eng.forward_block(rec.tokens[2:5])
+    eng.forward([rec.tokens[2]])                                 # a forward drops the tree too
+    with pytest.raises(RuntimeError, match="no verified tree"):
+        eng.commit_tree([0])
+    eng.forward_block([1])
+    eng.commit_tree([])                                          # an empty path commits nothing
+    assert eng.kv.length == rec.start.length + 3
+    eng.forward_block([1, 2])
+    eng.rollback_to(eng.kv.length)                               # a rollback drops the tree
+    with pytest.raises(RuntimeError, match="no verified tree"):
+        eng.commit_tree([0])
+
+
+def test_verify_and_commit_refuse_what_they_cannot_do(served, eng, rec):
+    eng.state.restore(rec.state_at(0))
+    with pytest.raises(ValueError, match="exceed max_tree 64"):
+        eng.forward_block(list(range(65)))
+    with pytest.raises(ValueError, match=r"parents\[1\] = 1"):
+        eng.forward_tree(torch.tensor([1, 2]), torch.tensor([-1, 1]))
+    with pytest.raises(ValueError, match="3 tokens but 2 parents"):
+        eng.forward_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="token id 320"):
+        eng.forward_block([1, 320])
+    with pytest.raises(ValueError, match="token id -1"):
+        eng.forward([-1])
+    with pytest.raises(ValueError, match="no tokens"):
+        eng.forward_block([])
+    eng.forward_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, -1]))
+    with pytest.raises(ValueError, match=r"path\[0\] = 7 is not a node"):
+        eng.commit_tree([7])
+    with pytest.raises(ValueError, match=r"path\[1\] = node 2 has parent -1, not 0"):
+        eng.commit_tree([0, 2])
+    assert_same_state(eng.state, rec.state_at(0), "refused commits change nothing")
+    small = type(eng)(eng.cfg, eng.w, max_context=24, max_tree=8)
+    small.forward(list(range(20)))
+    with pytest.raises(ValueError, match="exceed the engine's context of 24"):
+        small.forward_block([1, 2, 3, 4, 5])
+    assert small.kv.length == 20
+    small.forward_tree(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([-1, -1, -1, -1, 0]))   # depth 2 fits
+    small.commit_tree([0, 4])
+    assert small.kv.length == 22
+
+
+def test_trim_pending_rollback_and_settle(eng, rec):
+    base = rec.start.length
+    eng.state.restore(rec.state_at(5))
+    for a, b in [(5, 8), (8, 10), (10, 14)]:                    # three commits, never settled: 9 pending
+        eng.forward_block(rec.tokens[a:b])
+        eng.commit_tree(range(b - a))
+    assert_same_state(eng.state, rec.state_at(14))
+    eng.trim_pending(4)
+    assert_same_state(eng.state, rec.state_at(10), "after trim_pending(4)")
+    eng.rollback_to(base + 7)
+    assert_same_state(eng.state, rec.state_at(7), "after rollback_to")
+    out = eng.forward_block(rec.tokens[7:12])                   # verify on from the rolled-back state
+    assert all(torch.equal(out.logits[j], rec.rows[7 + j]) for j in range(5))
+    eng.commit_tree(range(5))
+    assert_same_state(eng.state, rec.state_at(12), "after committing again")
+    with pytest.raises(ValueError, match="7 tokens are pending"):
+        eng.trim_pending(8)
+    with pytest.raises(ValueError, match="holds"):
+        eng.rollback_to(base + 13)
+    with pytest.raises(ValueError, match="holds"):
+        eng.rollback_to(-1)
+    eng.settle()
+    with pytest.raises(ValueError, match="0 tokens are pending"):
+        eng.trim_pending(1)
+    eng.trim_pending(0)
+    # attention only: a rollback may go past the settled tokens, to any length, and decoding on is plain
+    eng.rollback_to(base + 2)
+    assert_same_state(eng.state, rec.state_at(2), "after rolling back past the settle point")
+    with pytest.raises(ValueError, match="0 tokens are pending"):
+        eng.trim_pending(1)
+    for j in range(2, 6):
+        assert torch.equal(eng.forward([rec.tokens[j]])[0], rec.rows[j]), f"decode row {j}"
+    eng.forward_block(rec.tokens[6:9])
+    eng.commit_tree(range(3))                                    # 3 pending from position base + 6
+    eng.rollback_to(base + 4)                                    # before them: none are left
+    with pytest.raises(ValueError, match="0 tokens are pending"):
+        eng.trim_pending(1)
+    eng.forward_block(rec.tokens[4:7])
+    eng.commit_tree(range(3))
+    eng.trim_pending(3)
+    assert_same_state(eng.state, rec.state_at(4), "pending counted from the rollback")
+    eng.rollback_to(0)
+    assert eng.kv.length == 0
+
+
+def test_forward_settles_and_a_state_restore_forgets_pending_and_tree(eng, rec):
+    eng.state.restore(rec.state_at(0))
+    eng.forward_block(rec.tokens[:3])
+    eng.commit_tree(range(3))
+    eng.forward([rec.tokens[3]])                                # a forward makes the pending tokens permanent
+    with pytest.raises(ValueError, match="0 tokens are pending"):
+        eng.trim_pending(1)
+    assert_same_state(eng.state, rec.state_at(4))
+    eng.forward_block(rec.tokens[4:6])
+    eng.commit_tree(range(2))
+    eng.forward_block(rec.tokens[6:8])
+    eng.state.restore(rec.state_at(2))                           # a cache restores another state
+    with pytest.raises(RuntimeError, match="no verified tree"):
+        eng.commit_tree([0])
+    with pytest.raises(ValueError, match="0 tokens are pending"):
+        eng.trim_pending(1)
+    out = eng.forward_block(rec.tokens[2:6])
+    assert all(torch.equal(out.logits[j], rec.rows[2 + j]) for j in range(4))
+    eng.commit_tree(range(4))
+    eng.reset()
+    assert eng.kv.length == 0
+    with pytest.raises(ValueError, match="0 tokens are pending"):
+        eng.trim_pending(1)
+
+
+def test_resume_at_a_common_prefix_then_verify_equals_the_plain_run(eng, rec):
+    eng.state.restore(rec.state_at(0))
+    eng.forward_block(rec.tokens[:12])
+    eng.commit_tree(range(12))                                  # the views hold 12 tokens' rows
+    eng.forward_block(rec.tokens[12:14])
+    eng.resume_at(rec.state_at(6).length)                       # a cache's common prefix: no sections
+    assert eng.kv.length == rec.state_at(6).length
+    with pytest.raises(RuntimeError, match="no verified tree"):
+        eng.commit_tree([0])
+    with pytest.raises(ValueError, match="0 tokens are pending"):
+        eng.trim_pending(1)
+    for j in range(6, 10):
+        assert torch.equal(eng.forward([rec.tokens[j]])[0], rec.rows[j]), f"decode row {j}"
+    out = eng.forward_block(rec.tokens[10:14])
+    assert all(torch.equal(out.logits[i], rec.rows[10 + i]) for i in range(4))
+    eng.commit_tree(range(4))
+    assert_same_state(eng.state, rec.state_at(14), "after resuming and verifying on")
+    eng.resume_at(eng.kv.length, {})
+    with pytest.raises(StateMismatch, match="cannot resume"):
+        eng.resume_at(eng.kv.length + 1)
+    with pytest.raises(StateMismatch, match="anchor sections"):
+        eng.resume_at(4, {"gdn.S": torch.zeros(1)})
+
+
+def _other_sources(tmp_path, bpe, monkeypatch, kind):
+    if kind == "gguf-lean":
+        monkeypatch.setenv("TANDEM_LLAMA_DENSE", "0")             # dequantised per matmul from Q4_1 rows
+        return serve_tiny(write_gguf(tmp_path / "lean.gguf", _hf_model(True, seed=4), bpe, "Q4_1"), 128)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    _hf_model(False, seed=5, rope_scaling=scaling).save_pretrained(tmp_path)
+    bpe[3].save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    return serve_tiny(tmp_path, 128)
+
+
+@pytest.mark.parametrize("kind", ["gguf-lean", "hf-llama3-rope"])
+def test_other_weight_holdings_and_sources_verify_bit_for_bit(tmp_path, bpe, monkeypatch, kind):
+    served = _other_sources(tmp_path, bpe, monkeypatch, kind)
+    eng, twin = served.engine, served.spawn()
+    twin.forward(prompt(37, seed=4))                              # past the llama3 band edges of 16
+    base = twin.state.clone()
+    tokens, parents = random_tree(random.Random(11), 24)
+    want, _, states = plain_rows_of_tree(twin, base, tokens, parents)
+    eng.state.restore(base)
+    out = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
+    assert all(torch.equal(out.logits[i], want[i]) for i in range(24))
+    leaf = max(range(24), key=lambda i: len(path_to(parents, i)))
+    eng.commit_tree(path_to(parents, leaf))
+    assert_same_state(eng.state, states[leaf])
+
+
+# -- speculation: the real loop with the lookup drafter, and an oracle -----------------------------------
+class IdDetok:
+    def push(self, t: int) -> str:
+        return f"<{t}>"
+
+    def flush(self) -> str:
+        return ""
+
+
+def flat_prices():
+    from tandem_core.spec.cut import PriceTable
+
+    return PriceTable.from_dict({"format": "tandem-prices", "version": 1, "model": "tiny", "profile": "fp32",
+                                 "device": "cpu", "contexts": [0, 4096], "widths": [1, 33],
+                                 "ms": [[1.0, 1.1], [1.0, 1.1]]})
+
+
+PROMPTS = [prompt(8 + 3 * i, seed=100 + i) for i in range(14)] + [
+    [5, 6, 7] * 8, [9] * 20, [11, 12] * 11 + [11], [40, 41, 42, 43, 44] * 5, [3] * 3 + [300] * 10, [7, 7, 8] * 9,
+]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8, seed=1234),
+                                dict(temperature=1.0, top_p=0.9, seed=7, frequency_penalty=0.3)],
+                         ids=["greedy", "seeded", "seeded-penalties"])
+def test_speculative_decoding_with_the_lookup_drafter_equals_plain(served, eng, twin, kw):
+    from tandem_core.drafter import TargetInfo, build_drafter
+    from tandem_core.spec.cut import StairCut
+    from tandem_core.spec.loop import Decode, DecodeRequest
+    from tandem_core.spec.sampler import SamplingParams
+    from tandem_core.spec.speculate import SpecDecode, Speculation
+
+    params = SamplingParams(**kw)
+    target = TargetInfo.of(eng.caps, tokenizer=served.tokenizer.fingerprint(), vocab_size=VOCAB)
+    spec = Speculation([build_drafter("lookup", target)], StairCut(flat_prices(), max_tree=32), 32)
+    rounds = tokens = 0
+    assert len(PROMPTS) == 20
+    for k, p in enumerate(PROMPTS):
+        stops = frozenset() if k % 3 else frozenset({(k * 37) % VOCAB})
+        req = DecodeRequest(p, 40 - k % 4, params, stops)
+        want = [t for c in Decode(twin, req, IdDetok()).run() for t in c.tokens]
+        dec = SpecDecode(eng, req, IdDetok(), speculation=spec)
+        got = [t for c in dec.run() for t in c.tokens]
+        assert got == want, f"prompt {k}"
+        assert_same_state(eng.state, twin.state, f"prompt {k}: the engine holds what the plain loop's holds")
+        rounds += dec.stats.rounds
+        tokens += dec.stats.tokens
+    if params.greedy:
+        assert tokens / rounds > 1.5, f"{tokens} tokens in {rounds} rounds: the drafter should be accepted"
+
+
+def oracle_tree(rng: random.Random, root: int, truth: list[int]) -> tuple[list[int], list[int]]:
+    """Root (the model's own pending token), then a random length of the true continuation, wrong tokens
+    beside it and branches off them; sometimes the continuation's last token is replaced."""
+    keep = rng.choice([0, 1, 2, 3, 5, 8, len(truth)])
+    chain = truth[:keep]
+    if chain and rng.random() < 0.25:
+        chain = chain[:-1] + [(chain[-1] + 1) % VOCAB]
+    tok, par = [root], [-1]
+    for t in chain:
+        tok.append(t)
+        par.append(len(tok) - 2)
+    for _ in range(rng.randrange(0, 12)):
+        par.append(rng.randrange(len(tok)))
+        tok.append(rng.randrange(VOCAB))
+    order, ready = [], [0]
+    while ready:
+        i = ready.pop(rng.randrange(len(ready)))
+        order.append(i)
+        ready.extend(j for j in range(len(tok)) if par[j] == i)
+    new = {old: k for k, old in enumerate(order)}
+    return [tok[i] for i in order], [-1 if par[i] < 0 else new[par[i]] for i in order]
+
+
+def walk(tokens: list[int], parents: list[int], picks: list[int]) -> tuple[list[int], int]:
+    """The longest path whose every next token is the model's pick; returns (node path, the next pick)."""
+    node = parents.index(-1)
+    path = [node]
+    while True:
+        nxt = [j for j in range(len(tokens)) if parents[j] == node and tokens[j] == picks[node]]
+        if not nxt:
+            return path, picks[node]
+        node = nxt[0]
+        path.append(node)
+
+
+def test_greedy_speculation_with_an_oracle_drafter_equals_plain_greedy(eng, twin):
+    rng = random.Random(2024)
+    N = 36
+    rounds = accepted = 0
+    for k, ids in enumerate(PROMPTS):
+        twin.reset()
+        logits = twin.forward(ids)
+        plain = []
+        for _ in range(N + 12):
+            plain.append(int(twin.picks(logits)[-1]))
+            logits = twin.forward([plain[-1]])
+        eng.reset()
+        pending = int(eng.picks(eng.forward(ids))[-1])
+        out: list[int] = []
+        while len(out) < N:
+            tokens, parents = oracle_tree(rng, pending, plain[len(out) + 1:len(out) + 10])
+            verified = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
+            path, pending = walk(tokens, parents, eng.picks(verified.logits).tolist())
+            eng.commit_tree(path)
+            eng.settle()
+            out += [tokens[i] for i in path]
+            rounds += 1
+            accepted += len(path)
+        first = next((i for i in range(N) if out[i] != plain[i]), None)
+        assert first is None, f"prompt {k}: first difference at token {first}"
+    assert accepted >= 2 * rounds                                # the oracle's trees were accepted deeply
+
+
+# -- the load-time self-check ---------------------------------------------------------------------------
+def nudge(t: torch.Tensor) -> torch.Tensor:
+    """Every element one ulp up."""
+    return torch.nextafter(t, torch.full_like(t, math.inf))
+
+
+def build(served, cls=None):
+    base = served.engine
+    return (cls or type(base))(base.cfg, base.w, max_context=128, max_tree=WIDTH)
+
+
+def test_the_self_check_passes_on_the_engine(served):
+    eng = build(served)
+    res = run_selfcheck(eng)
+    assert res.ok, res.first_mismatch
+    assert res.widths == tuple(range(1, WIDTH + 1))
+    assert res.rows_checked >= WIDTH * (WIDTH + 1) // 2 + WIDTH
+    assert eng.kv.length == 0, "the self-check leaves the engine reset"
+
+
+@pytest.mark.parametrize("layer,part", [(1, "attention"), (0, "mlp")])
+def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(served, layer, part):
+    from tandem_llama.model import TreeStep
+
+    class OneUlpOff(type(served.engine)):
+        """Verifies of 3 or more nodes are off by one ulp in one layer's attention or MLP output."""
+
+        def _attention(self, h, lw, li, step, tree, cos, sin):
+            out = super()._attention(h, lw, li, step, tree, cos, sin)
+            hit = part == "attention" and li == layer and isinstance(step, TreeStep) and step.count >= 3
+            return nudge(out) if hit else out
+
+        def _mlp(self, h, lw, step):
+            out = super()._mlp(h, lw, step)
+            hit = part == "mlp" and lw is self.w.layers[layer] and isinstance(step, TreeStep) and step.count >= 3
+            return nudge(out) if hit else out
+
+    res = run_selfcheck(build(served, OneUlpOff))
+    assert not res.ok
+    m = res.mismatch
+    assert m is not None and m.form == "chain" and m.width == 3 and m.node == 0
+    assert m.layer == f"layer {layer} {part}"
+    assert "width 3" in res.first_mismatch and f"layer {layer} {part}" in res.first_mismatch
+    assert res.rows_checked == 1 + 2 + 1                   # widths 1 and 2 passed; the first row of width 3
+
+
+def test_a_batched_linear_kernel_fails_the_check_at_width_two(served):
+    """A ``linear_rows`` kernel that multiplies the rows together (one GEMM) is what the op exists to
+    avoid: on a BLAS whose M=1 and M=2 rows differ, the check fails at width 2 in layer 0."""
+    lin = served.engine.w.layers[0].qkv
+    x = torch.randn(2, lin.shape[1], generator=torch.Generator().manual_seed(0))
+    if all(torch.equal(lin.matmul(x)[i], lin.matmul(x[i:i + 1])[0]) for i in range(2)):
+        pytest.skip("this BLAS gives a 2-row GEMM the 1-row bits: nothing to catch")
+
+    def batched(lin, x):
+        return lin.matmul(x)
+
+    ops.register("linear_rows", "cpu", batched)
+    try:
+        res = run_selfcheck(build(served))
+    finally:
+        ops.unregister("linear_rows", "cpu")
+    assert not res.ok and res.mismatch is not None
+    assert res.mismatch.width == 2 and res.mismatch.layer == "layer 0 attention"
+
+
+def test_an_inexact_commit_is_named_as_the_state_before_the_row(served):
+    class LossyCommit(type(served.engine)):
+        def commit_tree(self, path):
+            start = self.kv.length
+            super().commit_tree(path)
+            if self.kv.length > start:
+                self.k_cache[0, :, start] = nudge(self.k_cache[0, :, start])
+
+    res = run_selfcheck(build(served, LossyCommit))
+    assert not res.ok and res.mismatch is not None
+    assert res.mismatch.form == "chain" and res.mismatch.width == 2 and res.mismatch.layer is None
+    assert "the state earlier commits left differs" in res.first_mismatch
+
+
+def test_the_trace_verbs_have_their_verbs_arithmetic(served):
+    eng, twin = build(served), build(served)
+    ids = [5, 17, 2, 99, 43]
+    a = eng.trace_forward(ids)
+    b = twin.forward(ids, all_logits=True)
+    assert isinstance(a, Trace) and torch.equal(a.logits, b) and eng.kv.length == twin.kv.length == 5
+    assert a.points[0] == "layer 0 attention" and a.points[-1] == "final norm"
+    assert len(a.points) == 2 * 2 + 1 and all(r.shape == (5, 64) for r in a.rows)
+    assert torch.equal(a.rows[-1], twin.hidden_post_norm())
+    t = eng.trace_tree([7, 8, 9], [-1, 0, 0])
+    v = twin.forward_tree(torch.tensor([7, 8, 9]), torch.tensor([-1, 0, 0]))
+    assert torch.equal(t.logits, v.logits) and all(r.shape == (3, 64) for r in t.rows)
+    eng.commit_tree([0, 2])                                      # the traced tree is left verified
+    twin.commit_tree([0, 2])
+    assert_same_state(eng.state, twin.state)
+    d = eng.trace_forward([11])                                  # a decode step's trace: its own row
+    assert torch.equal(d.logits, twin.forward([11], all_logits=True))
