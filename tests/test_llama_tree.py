@@ -418,6 +418,38 @@ def test_other_weight_holdings_and_sources_verify_bit_for_bit(tmp_path, bpe, mon
     assert_same_state(eng.state, states[leaf])
 
 
+def test_a_head_in_row_blocks_verifies_bit_for_bit_and_equals_the_whole_head(served, eng, twin, rec):
+    """The output head in row blocks (the real model's 49152-row head is; the tiny one fits one block):
+    decode and verify make the same blocked calls, and the logits are the whole head's within rounding."""
+    from tandem_llama.model import head_blocks
+
+    lm_head = served.engine.w.lm_head
+    blocks = head_blocks(lm_head, 48 * 64 * 4)                       # 48 rows of 64 fp32 a block
+    assert [(s, e) for s, e, _ in blocks] == [(s, min(320, s + 48)) for s in range(0, 320, 48)]
+    assert all(torch.equal(b.dense(), lm_head.dense()[s:e]) for s, e, b in blocks)
+    assert len(head_blocks(lm_head)) == 1
+    cls = type(eng)
+    blocked, blocked_twin = (cls(eng.cfg, eng.w, max_context=256, head_block_bytes=48 * 64 * 4) for _ in range(2))
+    base = rec.state_at(4)
+    tokens, parents = random_tree(random.Random(9), 20)
+    want, _, _ = plain_rows_of_tree(blocked_twin, base, tokens, parents)
+    blocked.state.restore(base)
+    out = blocked.forward_tree(torch.tensor(tokens), torch.tensor(parents))
+    assert all(torch.equal(out.logits[i], want[i]) for i in range(20))
+    ref = torch.stack([twin_row(twin, base, tokens, parents, i) for i in range(20)])
+    torch.testing.assert_close(out.logits, ref, rtol=1e-5, atol=1e-5)
+    assert blocked.manifest().settings["head_block_rows"] == 48
+    assert blocked.manifest().fingerprint() != eng.manifest().fingerprint()
+
+
+def twin_row(twin, base, tokens, parents, i):
+    """Node ``i``'s row by plain decode of its path on the one-block engine."""
+    twin.state.restore(base)
+    for j in path_to(parents, i):
+        row = twin.forward([tokens[j]])[0]
+    return row
+
+
 # -- speculation: the real loop with the lookup drafter, and an oracle -----------------------------------
 class IdDetok:
     def push(self, t: int) -> str:

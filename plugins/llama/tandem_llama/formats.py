@@ -118,6 +118,15 @@ class GGMLWeight:
         """The whole weight ``[N, K]`` in fp32 (the dense copy itself in dense mode: do not write to it)."""
         return self._w if self._w is not None else self._dequant(self.raw)
 
+    def row_block(self, start: int, end: int) -> "GGMLWeight":
+        """Rows ``start:end`` (``[end - start, K]``) as a weight of their own over this one's storage (no
+        copy): a view of the dense copy in dense mode, of the quantised rows in lean mode."""
+        if not 0 <= start < end <= self.shape[0]:
+            raise ValueError(f"row_block({start}, {end}): the weight has {self.shape[0]} rows")
+        if self._w is not None:
+            return F32Weight(self._w[start:end], dense=True)
+        return type(self)(self.raw[start:end], dense=False)
+
     def __repr__(self) -> str:
         mode = "dense fp32" if self._w is not None else "lean"
         return f"{type(self).__name__}({self.shape[0]}x{self.shape[1]}, {mode})"

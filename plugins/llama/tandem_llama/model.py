@@ -20,18 +20,20 @@ Three forms of one layer code, chosen by what a call appends:
   chunks wrote). Not row invariant, and need not be: plain and speculative
   decoding start from the same prefill.
 - decode (``forward`` of one token, a ``Step`` of one row): every matmul through
-  the row-invariant ``linear_rows`` op (``tandem_core.ops.rows``), attention one
+  the row-invariant ``linear_rows`` op (``tandem_core.ops.rows``), the output head
+  block by block of its rows (``head_blocks``, about 4 MiB each), attention one
   fused SDPA call over ``K[:, :n+1]``.
 - verify (``forward_tree``, a ``TreeStep``): the same ``linear_rows`` for every
-  matmul, and attention node by node in depth-first order, each node writing its
-  key and value at ``n + depth`` (scratch past the sequence) and making the decode
-  step's own SDPA call over ``K[:, :n + depth + 1]`` (the per-row form
-  ``tandem_core.ops.attention.attention_tree`` documents). Norms, rotary, residual
-  adds and the activation run batched: they are row invariant (``F.rms_norm`` and
-  rotary measured so on the CPU; the activation is ``tandem_core.ops.act.silu``,
-  since ATen's ``silu`` is not). Every verified row equals the decode step's row
-  at that position bit for bit; the load-time self-check proves it on the
-  machine that serves.
+  matmul (the head in the same blocks, so a block stays in the CPU's cache while
+  every row goes through it), and attention node by node in depth-first order,
+  each node writing its key and value at ``n + depth`` (scratch past the
+  sequence) and making the decode step's own SDPA call over
+  ``K[:, :n + depth + 1]`` (the per-row form ``tandem_core.ops.attention.
+  attention_tree`` documents). Norms, rotary, residual adds and the activation
+  run batched: they are row invariant (``F.rms_norm`` and rotary measured so on
+  the CPU; the activation is ``tandem_core.ops.act.silu``, since ATen's ``silu``
+  is not). Every verified row equals the decode step's row at that position bit
+  for bit; the load-time self-check proves it on the machine that serves.
 
 Committing a path copies its nodes' K/V rows (kept from the verify) to the
 sequence's next positions. There is no recurrent state, so ``rollback_to`` can
@@ -68,15 +70,21 @@ from tandem_core.ops.rows import ALIGN
 from tandem_core.spec.selfcheck import Trace
 from tandem_core.state import ModelState, View
 from tandem_llama.config import LlamaConfig, inv_freq
+from tandem_llama.formats import GGMLWeight
 from tandem_llama.weights import LayerWeights, LlamaWeights
 
-__all__ = ["LlamaEngine", "Step", "TreeStep", "attend", "rope_rows", "rope_tables", "ENGINE_OPS"]
+__all__ = ["LlamaEngine", "Step", "TreeStep", "attend", "head_blocks", "rope_rows", "rope_tables", "ENGINE_OPS",
+           "HEAD_BLOCK_BYTES"]
 
 _HERE = Path(__file__).resolve().parent
 # the files whose code computes the rows an engine stores (its manifest; the ops' files are added)
 _ROW_FILES = ("model.py", "formats.py", "weights.py", "config.py", "gguf_reader.py")
 # the core ops this engine calls, resolved once per engine for its device
 ENGINE_OPS = ("linear_rows", "silu")
+# a decode step and a verify multiply by the output head in row blocks of about this many bytes (fp32), the
+# same blocks for both: a verify of N rows then reads each block from the CPU's cache N times instead of
+# reading the whole head (the largest weight: 113 MB for SmolLM2) from memory once a row
+HEAD_BLOCK_BYTES = 4 << 20
 
 Capture = list[tuple[str, torch.Tensor]]  # (point name, hidden rows [T, H]) in forward order
 
@@ -115,6 +123,16 @@ def attend(
     One fused SDPA call with 4-d inputs (torch's CPU flash kernel): a single parallel region, where
     separate matmul/softmax/matmul calls would each wait on every thread (costly on a busy machine)."""
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
+
+
+def head_blocks(head: Any, block_bytes: int = HEAD_BLOCK_BYTES) -> tuple[tuple[int, int, Any], ...]:
+    """The output head as ``(start, end, Linear)`` row blocks of about ``block_bytes`` of fp32 (views, no
+    copy); a head of another ``Linear`` kind is one block."""
+    n, k = head.shape
+    if not isinstance(head, GGMLWeight):
+        return ((0, n, head),)
+    rows = max(1, block_bytes // (4 * k))
+    return tuple((s, min(n, s + rows), head.row_block(s, min(n, s + rows))) for s in range(0, n, rows))
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +228,8 @@ class LlamaEngine:
     """Batch 1, fp32, CPU. Owns its KV buffers and shares ``weights`` (read-only) with any sibling engine.
 
     ``max_context``: tokens the buffers hold. ``prefill_chunk``: rows a forward runs through all layers
-    at a time. ``max_tree``: the most nodes one ``forward_tree`` verifies.
+    at a time. ``max_tree``: the most nodes one ``forward_tree`` verifies. ``head_block_bytes``: the
+    output head's row blocks (``head_blocks``).
     """
 
     def __init__(
@@ -221,6 +240,7 @@ class LlamaEngine:
         max_context: int,
         prefill_chunk: int = 512,
         max_tree: int = 64,
+        head_block_bytes: int = HEAD_BLOCK_BYTES,
         device: str = "cpu",
     ) -> None:
         if max_context < 1:
@@ -257,6 +277,7 @@ class LlamaEngine:
         self._scale = hd**-0.5
         self._tree: _Verified | None = None
         self._pending_from: int | None = None  # where the tokens committed since the last settle begin
+        self._head_blocks = head_blocks(weights.lm_head, head_block_bytes)
 
     # -- hot verbs ------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor | Sequence[int], *, all_logits: bool = False) -> torch.Tensor:
@@ -428,11 +449,11 @@ class LlamaEngine:
             self._state.length = step.end
             hiddens.append(h)
             if all_logits:
-                logits.append(self._mm(step)(self.w.lm_head, h))
+                logits.append(self._head_rows(h) if step.rowwise else self.w.lm_head.matmul(h))
         self._hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         if all_logits:
             return logits[0] if len(logits) == 1 else torch.cat(logits)
-        return self._ops["linear_rows"](self.w.lm_head, self._hidden[-1:])
+        return self._head_rows(self._hidden[-1:])
 
     @torch.inference_mode()
     def _forward_tree(
@@ -457,7 +478,17 @@ class LlamaEngine:
         h = self._layers(ids, tree.step, tree, capture)  # [N, H] after the final norm
         self._hidden = h
         self._tree = tree
-        return TreeOut(self._ops["linear_rows"](self.w.lm_head, h))
+        return TreeOut(self._head_rows(h))
+
+    def _head_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits ``[M, V]`` of ``h: [M, H]``, every row through ``linear_rows`` block by block of the head
+        (``head_blocks``): the decode step (``M == 1``) and a verify make the same calls for a row."""
+        if len(self._head_blocks) == 1:
+            return self._ops["linear_rows"](self._head_blocks[0][2], h)
+        out = h.new_empty(h.shape[0], self.cfg.vocab_size)
+        for start, end, block in self._head_blocks:
+            out[:, start:end] = self._ops["linear_rows"](block, h)
+        return out
 
     def _mm(self, step: Step | TreeStep) -> Callable[[Any, torch.Tensor], torch.Tensor]:
         """How this step multiplies by a weight: row by row (row invariant) for a decode step and a verify."""
@@ -562,7 +593,8 @@ class LlamaEngine:
         files |= {str(Path(inspect.getsourcefile(fn) or "").resolve()) for fn in self._ops.values()}
         return Manifest(
             files=tuple(sorted(files)),
-            settings={"dense": self.w.dense, "prefill_chunk": self.prefill_chunk},
+            settings={"dense": self.w.dense, "prefill_chunk": self.prefill_chunk,
+                      "head_block_rows": self._head_blocks[0][1]},
             extra={
                 "model": "llama",
                 "config": repr(cfg),
