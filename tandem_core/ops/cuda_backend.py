@@ -19,19 +19,20 @@ op whatever it passes. Results equal the reference's within rounding:
                   depend on the rows beside it (the op's contract), fp32 partials added in a fixed order
 
 The other ops have no kernel of the same contract here: the CUDA path of an engine
-(``tandem_qwen38.cuda_graphs``) fuses them differently (the gates inside the recurrent
+(a model plugin's CUDA runner) fuses them differently (the gates inside the recurrent
 kernel, the output gate inside attention) and calls the ``triton_*`` launchers itself.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from tandem_core import ops
 
-__all__ = ["OPS", "install", "uninstall", "gdn_chunk", "rms_norm_1p", "linear_rows"]
+__all__ = ["DEVICE", "OPS", "gdn_chunk", "install", "linear_rows", "rms_norm_1p", "uninstall"]
 
 DEVICE = "cuda"
 
@@ -44,9 +45,10 @@ def _tiles(n: int) -> bool:
 def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor, *, scale: float, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule (``tandem_core.ops.gdn.gdn_chunk``'s contract): ``(o [T, Hv, Dv] fp32,
-    new_state [Hv, Dk, Dv] fp32)``, nothing mutated. ``chunk`` is the reference's knob: the kernel's chunks are
-    64 tokens whatever it says (the result is the same recurrence within fp32 rounding)."""
-    if q.is_cuda and q.dim() == 3 and v.dim() == 3 and _tiles(q.shape[-1]) and _tiles(v.shape[-1]) and q.shape[0]:
+    new_state [Hv, Dk, Dv] fp32)``, nothing mutated. ``chunk`` is the reference's knob: the kernel's chunks
+    are 64 tokens whatever it says (the result is the same recurrence within fp32 rounding)."""
+    fits = q.dim() == 3 and v.dim() == 3 and _tiles(q.shape[-1]) and _tiles(v.shape[-1]) and q.shape[0] > 0
+    if q.is_cuda and fits:
         from tandem_core.ops import triton_gdn
 
         return triton_gdn.gdn_chunk(q, k, v, g, beta, state, scale=scale)
@@ -96,7 +98,8 @@ def linear_rows(lin: Any, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-OPS: dict[str, Callable[..., Any]] = {"gdn_chunk": gdn_chunk, "rms_norm_1p": rms_norm_1p, "linear_rows": linear_rows}
+OPS: dict[str, Callable[..., Any]] = {"gdn_chunk": gdn_chunk, "rms_norm_1p": rms_norm_1p,
+                                      "linear_rows": linear_rows}
 
 
 def install() -> None:

@@ -109,8 +109,8 @@ def _fuse(linears: Sequence[Any]) -> torch.Tensor:
     ptr = first.data_ptr()
     adjacent = True
     for w in ws:
-        if (not w.is_contiguous() or w.shape[1] != K or w.dtype != first.dtype
-                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or w.data_ptr() != ptr):
+        same = w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not (same and w.is_contiguous() and w.shape[1] == K and w.dtype == first.dtype and w.data_ptr() == ptr):
             adjacent = False
             break
         ptr += int(w.shape[0]) * step
@@ -160,7 +160,8 @@ def unsupported(cfg: Qwen38Config, weights: Any) -> str | None:
         return f"weights in {weights.dtype}, the CUDA kernels read bf16"
     for lin in weights.linears():
         if not isinstance(lin, DenseLinear) or lin.bias is not None or lin.weight.dtype != torch.bfloat16:
-            return f"a weight in format {getattr(lin, 'format', type(lin).__name__)} (the kernels read dense bf16)"
+            fmt = getattr(lin, "format", type(lin).__name__)
+            return f"a weight in format {fmt} (the kernels read dense bf16 without bias)"
     D = cfg.head_dim
     if cfg.attention_layers and (D < 16 or D & (D - 1)):
         return f"head_dim {D} is not a power of two >= 16"
@@ -501,8 +502,8 @@ class CudaRunner:
         return PathRows(self.qkvc[:n_gdn].index_select(1, at), self.proj[:n_gdn].index_select(1, at))
 
     def replay(self, rows: PathRows) -> None:
-        """Advance the recurrent state (``S``, ``conv``) along ``rows`` as one chain: the commit's own launches
-        on the same inputs, so the state equals the commits' (and plain decode's) bit for bit. The caller puts
+        """Advance the recurrent state (``S``, ``conv``) along ``rows`` as one chain: the commit's own
+        launches on the same inputs, so the state equals the commits' (and plain decode's) bit for bit. The caller puts
         the state the rows start from in place first and keeps ``length``."""
         from tandem_core.ops import triton_fused as tf
         from tandem_core.ops import triton_gdn as tg
@@ -519,8 +520,8 @@ class CudaRunner:
 
     def workspace_bytes(self) -> int:
         """Bytes of the runner's own buffers (rows, partials, scratch, logits, round inputs)."""
-        ts = [self.x, self.h, self.parts, self.pbuf, self.gu, self.act, self.proj, self.qkvc, self.o, self.onorm,
-              self.branch, self.aproj, self.qrot, self.aout, self.logits]
+        ts = [self.x, self.h, self.parts, self.pbuf, self.gu, self.act, self.proj, self.qkvc, self.o,
+              self.onorm, self.branch, self.aproj, self.qrot, self.aout, self.logits]
         a = self.ascratch
         ts += [a.m, a.l, a.acc, a.tm, a.tl, a.tacc]
         for m in [*self.metas.values(), self.decode_meta, self.commit_meta]:

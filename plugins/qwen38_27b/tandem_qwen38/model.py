@@ -578,7 +578,8 @@ class Qwen38Engine:
         self.kv.length = run.length
         return logits
 
-    def _cuda_tree(self, tokens: torch.Tensor | Sequence[int], parents: torch.Tensor | Sequence[int]) -> TreeOut:
+    def _cuda_tree(self, tokens: torch.Tensor | Sequence[int],
+                   parents: torch.Tensor | Sequence[int]) -> TreeOut:
         ids = self._host_ids(tokens, "forward_tree")
         step = self._tree_step(len(ids), parents)
         self._tree = None
@@ -730,11 +731,13 @@ class Qwen38Engine:
             from tandem_qwen38 import cuda_graphs
 
             files.add(Path(inspect.getsourcefile(cuda_graphs) or "").resolve())
-            files |= {Path(inspect.getsourcefile(triton_matmul) or "").with_name(n).resolve()
-                      for n in ("triton_matmul.py", "triton_fused.py", "triton_gdn.py", "triton_attention.py")}
+            kernels = ("triton_matmul.py", "triton_fused.py", "triton_gdn.py", "triton_attention.py")
+            files |= {Path(inspect.getsourcefile(triton_matmul) or "").with_name(n).resolve() for n in kernels}
             settings["path"] = "cuda_graphs"
             settings["widths"] = list(self._cuda.widths)
-            settings["matmul_plans"] = {f"{n}x{k}": asdict(p) for (n, k), p in sorted(triton_matmul.plans().items())}
+            shapes = sorted({(int(t.shape[0]), int(t.shape[1])) for t in self._cuda.fw.tensors()
+                             if t.dim() == 2 and t.dtype == torch.bfloat16})
+            settings["matmul_plans"] = {f"{n}x{k}": asdict(triton_matmul.plan_for(n, k)) for n, k in shapes}
         return Manifest(tuple(sorted(str(f) for f in files)), settings, extra)
 
     def memory_parts(self) -> list[MemoryPart]:
