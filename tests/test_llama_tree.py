@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixture)
 
 from tandem_core import ops
@@ -472,8 +471,8 @@ PROMPTS = [prompt(8 + 3 * i, seed=100 + i) for i in range(14)] + [
 ]
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8, seed=1234),
-                                dict(temperature=1.0, top_p=0.9, seed=7, frequency_penalty=0.3)],
+@pytest.mark.parametrize("kw", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 1234},
+                                {"temperature": 1.0, "top_p": 0.9, "seed": 7, "frequency_penalty": 0.3}],
                          ids=["greedy", "seeded", "seeded-penalties"])
 def test_speculative_decoding_with_the_lookup_drafter_equals_plain(served, eng, twin, kw):
     from tandem_core.drafter import TargetInfo, build_drafter

@@ -24,7 +24,6 @@ import httpx
 import pytest
 import torch
 from openai import OpenAI
-
 from test_llama_default_model import smollm2_path  # noqa: F401  (session fixture: the pulled GGUF)
 
 from tandem_core.serving import ServeArgs, ServeContext
@@ -34,7 +33,7 @@ PLUGINS = Path(__file__).resolve().parent / "plugins"
 for extra in (PLUGINS, ROOT / "plugins" / "drafters"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
-from replay_server import Server  # noqa: E402
+from replay_server import Server
 
 MAX_TOKENS = 24
 MAX_TREE = 8
@@ -43,13 +42,13 @@ MAX_TREE = 8
 COPYING = [
     "Repeat after me: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
     'Copy this JSON exactly: {"name": "Alice", "age": 30, "city": "Paris", "tags": ["a", "b", "c"]}',
-    "Complete this Python code:\n\ndef f0(x):\n    return x + 0\n\ndef f1(x):\n    return x + 1\n\n"
-    "def f2(x):\n    return x + 2\n",
+    ("Complete this Python code:\n\ndef f0(x):\n    return x + 0\n\ndef f1(x):\n    return x + 1\n\n"
+    "def f2(x):\n    return x + 2\n"),
 ]
 # repetitive asks the model answers in its own words (some repetition, shorter acceptances)
 REPETITIVE = [
-    "Here is a file:\n\nimport os\nimport sys\n\ndef main():\n    print(os.getcwd())\n    print(sys.argv)\n\n"
-    "Print the file again, unchanged.",
+    ("Here is a file:\n\nimport os\nimport sys\n\ndef main():\n    print(os.getcwd())\n    print(sys.argv)\n\n"
+    "Print the file again, unchanged."),
     "Count from 1 to 30, separated by commas.",
     "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry.",
     "Write the word hello ten times, one per line.",

@@ -118,7 +118,7 @@ class GGMLWeight:
         """The whole weight ``[N, K]`` in fp32 (the dense copy itself in dense mode: do not write to it)."""
         return self._w if self._w is not None else self._dequant(self.raw)
 
-    def row_block(self, start: int, end: int) -> "GGMLWeight":
+    def row_block(self, start: int, end: int) -> GGMLWeight:
         """Rows ``start:end`` (``[end - start, K]``) as a weight of their own over this one's storage (no
         copy): a view of the dense copy in dense mode, of the quantised rows in lean mode."""
         if not 0 <= start < end <= self.shape[0]:

@@ -73,8 +73,17 @@ from tandem_llama.config import LlamaConfig, inv_freq
 from tandem_llama.formats import GGMLWeight
 from tandem_llama.weights import LayerWeights, LlamaWeights
 
-__all__ = ["LlamaEngine", "Step", "TreeStep", "attend", "head_blocks", "rope_rows", "rope_tables", "ENGINE_OPS",
-           "HEAD_BLOCK_BYTES"]
+__all__ = [
+    "ENGINE_OPS",
+    "HEAD_BLOCK_BYTES",
+    "LlamaEngine",
+    "Step",
+    "TreeStep",
+    "attend",
+    "head_blocks",
+    "rope_rows",
+    "rope_tables",
+]
 
 _HERE = Path(__file__).resolve().parent
 # the files whose code computes the rows an engine stores (its manifest; the ops' files are added)
@@ -333,9 +342,9 @@ class LlamaEngine:
             return
         at = torch.tensor(idx, dtype=torch.long)
         start, P = self.kv.length, len(idx)
-        for li, (k, v) in enumerate(tree.kv):  # k, v: [N, Hkv, D]
-            self.k_cache[li, :, start : start + P] = k.index_select(0, at).transpose(0, 1)
-            self.v_cache[li, :, start : start + P] = v.index_select(0, at).transpose(0, 1)
+        for cache, rows in ((self.k_cache, [k for k, _ in tree.kv]), (self.v_cache, [v for _, v in tree.kv])):
+            path = torch.stack(rows).index_select(1, at)  # [L, P, Hkv, D]: every layer's rows of the path
+            cache[:, :, start : start + P] = path.transpose(1, 2)
         if self._pending_from is None:
             self._pending_from = start
         self._state.length = start + P
