@@ -24,6 +24,7 @@ import pytest
 import torch
 from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixture)
 
+from tree_checks import Recorded, carries, path_to, walk  # noqa: E402
 from tandem_core import ops
 from tandem_core.engine import ResumableEngine, TreeEngine
 from tandem_core.serving import ServeArgs, ServeContext
@@ -99,29 +100,6 @@ def assert_same_state(got: ModelState, want: ModelState, when: str = "") -> None
         assert torch.equal(got.views[k].head(want.length), v.head(want.length)), f"view {k} {when}"
 
 
-class Recorded:
-    """A prompt's state, then a greedy decode: rows[j] after feeding tokens[j], states[j] after it."""
-
-    def __init__(self, engine, ids, n):
-        engine.reset()
-        logits = engine.forward(ids)
-        self.start = engine.state.clone()
-        self.tokens, rows, self.states, self.hidden = [], [], [], []
-        tok = int(engine.picks(logits)[-1])
-        for _ in range(n):
-            self.tokens.append(tok)
-            row = engine.forward([tok])
-            rows.append(row[0])
-            self.hidden.append(engine.hidden_post_norm()[0].clone())
-            self.states.append(engine.state.clone())
-            tok = int(engine.picks(row)[-1])
-        self.rows = torch.stack(rows)
-
-    def state_at(self, j: int) -> ModelState:
-        """After the first ``j`` generated tokens."""
-        return self.start if j == 0 else self.states[j - 1]
-
-
 @pytest.fixture(scope="module")
 def rec(twin):
     return Recorded(twin, prompt(20, seed=21), 68)
@@ -142,13 +120,6 @@ def random_tree(rng: random.Random, n: int, path: list[int] | None = None) -> tu
         ready.extend(j for j in range(n) if par[j] == i)
     new = {old: k for k, old in enumerate(order)}
     return [tok[i] for i in order], [-1 if par[i] < 0 else new[par[i]] for i in order]
-
-
-def path_to(parents: list[int], i: int) -> list[int]:
-    out = [i]
-    while parents[out[-1]] >= 0:
-        out.append(parents[out[-1]])
-    return out[::-1]
 
 
 def plain_rows_of_tree(twin, base: ModelState, tokens: list[int], parents: list[int]):
@@ -204,15 +175,6 @@ def test_random_trees_equal_plain_decode_of_every_nodes_path(eng, twin, rec, siz
     assert_same_state(eng.state, states[leaf], f"after committing the path to node {leaf}")
 
 
-def _carries(tokens, parents, i, rest):
-    """Node ``i`` heads a chain of descendants carrying ``rest``."""
-    if tokens[i] != rest[0]:
-        return False
-    if len(rest) == 1:
-        return True
-    return any(parents[j] == i and _carries(tokens, parents, j, rest[1:]) for j in range(len(tokens)))
-
-
 def test_rejected_branches_leave_no_trace(eng, rec):
     rng = random.Random(7)
     truth = rec.tokens[10:16]
@@ -220,7 +182,7 @@ def test_rejected_branches_leave_no_trace(eng, rec):
     path, parent = [], -1
     for t in truth:
         parent = next(i for i in range(len(tokens)) if parents[i] == parent and tokens[i] == t
-                      and _carries(tokens, parents, i, truth[len(path):]))
+                      and carries(tokens, parents, i, truth[len(path):]))
         path.append(parent)
     eng.state.restore(rec.state_at(10))
     out = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
@@ -521,18 +483,6 @@ def oracle_tree(rng: random.Random, root: int, truth: list[int]) -> tuple[list[i
         ready.extend(j for j in range(len(tok)) if par[j] == i)
     new = {old: k for k, old in enumerate(order)}
     return [tok[i] for i in order], [-1 if par[i] < 0 else new[par[i]] for i in order]
-
-
-def walk(tokens: list[int], parents: list[int], picks: list[int]) -> tuple[list[int], int]:
-    """The longest path whose every next token is the model's pick; returns (node path, the next pick)."""
-    node = parents.index(-1)
-    path = [node]
-    while True:
-        nxt = [j for j in range(len(tokens)) if parents[j] == node and tokens[j] == picks[node]]
-        if not nxt:
-            return path, picks[node]
-        node = nxt[0]
-        path.append(node)
 
 
 def test_greedy_speculation_with_an_oracle_drafter_equals_plain_greedy(eng, twin):
