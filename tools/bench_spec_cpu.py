@@ -360,7 +360,7 @@ def _reading(results: dict[str, dict[str, Tally]], cost: VerifyCost, steeper: li
         (f"- A verified row costs about **{marg:.2f} of a decode step** here (the median marginal row of the "
         f"table above). Row invariance makes every row its own gemv (`linear_rows`: the decode step's "
         f"one-row call), so a verify reads every weight once a row (from the CPU's cache after the first "
-        f"row; the output head in 4 MiB blocks for that reason). A round that verifies the pending token "
+        f"row; the output head in 8 MiB blocks for that reason). A round that verifies the pending token "
         f"and `d` drafted nodes costs about `1 + {marg:.2f} d` steps and yields `1 + a` tokens (`a` "
         f"accepted): it beats plain decoding only when more than about {marg:.0%} of the drafted nodes are "
         f"accepted."),

@@ -21,7 +21,7 @@ Three forms of one layer code, chosen by what a call appends:
   decoding start from the same prefill.
 - decode (``forward`` of one token, a ``Step`` of one row): every matmul through
   the row-invariant ``linear_rows`` op (``tandem_core.ops.rows``), the output head
-  block by block of its rows (``head_blocks``, about 4 MiB each), attention one
+  block by block of its rows (``head_blocks``, about 8 MiB each), attention one
   fused SDPA call over ``K[:, :n+1]``.
 - verify (``forward_tree``, a ``TreeStep``): the same ``linear_rows`` for every
   matmul (the head in the same blocks, so a block stays in the CPU's cache while
@@ -93,7 +93,7 @@ ENGINE_OPS = ("linear_rows", "silu")
 # a decode step and a verify multiply by the output head in row blocks of about this many bytes (fp32), the
 # same blocks for both: a verify of N rows then reads each block from the CPU's cache N times instead of
 # reading the whole head (the largest weight: 113 MB for SmolLM2) from memory once a row
-HEAD_BLOCK_BYTES = 4 << 20
+HEAD_BLOCK_BYTES = 8 << 20
 
 Capture = list[tuple[str, torch.Tensor]]  # (point name, hidden rows [T, H]) in forward order
 
@@ -343,8 +343,8 @@ class LlamaEngine:
         at = torch.tensor(idx, dtype=torch.long)
         start, P = self.kv.length, len(idx)
         for cache, rows in ((self.k_cache, [k for k, _ in tree.kv]), (self.v_cache, [v for _, v in tree.kv])):
-            path = torch.stack(rows).index_select(1, at)  # [L, P, Hkv, D]: every layer's rows of the path
-            cache[:, :, start : start + P] = path.transpose(1, 2)
+            kept = torch.stack(rows).index_select(1, at)  # [L, P, Hkv, D]: every layer's rows of the path
+            cache[:, :, start : start + P] = kept.transpose(1, 2)
         if self._pending_from is None:
             self._pending_from = start
         self._state.length = start + P
