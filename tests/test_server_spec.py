@@ -44,7 +44,7 @@ def price_registry(root: Path) -> Path:
     does not depend on how fast this machine happens to run the toy's Python per-node verify."""
     p = root / "prices" / "replay-test" / "fp32.cpu.json"
     p.parent.mkdir(parents=True)
-    p.write_text(json.dumps({"format": "tandem-prices", "version": 1, "contexts": [0, 4096], "widths": [1, 13],
+    p.write_text(json.dumps({"format": "tandem-prices", "version": 1, "contexts": [0, 4096], "widths": [1, 65],
                              "ms": [[1.0, 1.2], [1.0, 1.2]]}))
     return root
 
@@ -53,7 +53,7 @@ def price_registry(root: Path) -> Path:
 def servers(tmp_path_factory):
     d = write_model(tmp_path_factory.mktemp("toytree") / "m")
     prices = price_registry(tmp_path_factory.mktemp("registry"))
-    spec = Server(d, tmp_path_factory.mktemp("h1"), "--spec", "lookup", "--max-tree", "12", "--no-cache",
+    spec = Server(d, tmp_path_factory.mktemp("h1"), "--spec", "lookup", "--max-tree", "64", "--no-cache",
                   env={**ENV, "TANDEM_REGISTRY": str(prices)})
     plain = Server(d, tmp_path_factory.mktemp("h2"), "--spec", "off", "--no-cache", env=ENV)
     try:
@@ -83,7 +83,7 @@ def test_health_says_speculation_is_on_after_the_selfcheck(servers):
     spec, plain = servers
     h = httpx.get(spec.url + "/health").json()["speculation"]
     assert h["enabled"] and h["drafters"] == ["lookup"] and h["selfcheck"]["ok"]
-    assert h["selfcheck"]["rows"] > 0 and h["selfcheck"]["widths"] == 12 and h["prices"] == ["file"]
+    assert h["selfcheck"]["rows"] > 0 and h["selfcheck"]["widths"] == 64 and h["max_tree"] == 63 and h["prices"] == ["file"]
     assert httpx.get(plain.url + "/health").json()["speculation"]["enabled"] is False
 
 

@@ -223,7 +223,7 @@ def test_the_speculative_server_answers_what_the_plain_server_answers(servers):
             assert time.monotonic() < deadline, "the self-check did not finish"
             time.sleep(0.2)
         assert h["enabled"] and h["drafters"] == ["lookup"], h
-        assert h["selfcheck"]["ok"] and h["selfcheck"]["widths"] == 8 and h["selfcheck"]["rows"] > 0, h
+        assert h["selfcheck"]["ok"] and h["selfcheck"]["widths"] == 9 and h["selfcheck"]["rows"] > 0, h
         spec_answers = ask(spec, SERVER_PROMPTS)
         want = plain_answers.result()
     assert all(a and a.strip() for a in want)

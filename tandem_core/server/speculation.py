@@ -135,9 +135,10 @@ def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptio
     if not names:
         return _off("--spec off", n, names, 0)
     caps = engines[0].caps
-    if not caps.tree or caps.max_tree < 1:
+    if not caps.tree or caps.max_tree < 2:
         return _off(f"the {served.model_id} engine verifies no trees", n, names, 0)
-    max_tree = max(1, min(options.max_tree, caps.max_tree))
+    # a verify carries the pending token besides the drafted nodes: 1 + max_tree rows
+    max_tree = max(1, min(options.max_tree, caps.max_tree - 1))
     target = TargetInfo.of(caps, tokenizer=served.tokenizer.fingerprint(), vocab_size=served.tokenizer.vocab_size,
                            name=served.model_id)
     try:
@@ -157,12 +158,12 @@ def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptio
     def check(engine: Any) -> None:
         from tandem_core.spec.selfcheck import run_selfcheck
 
-        result = run_selfcheck(engine, tokens=options.selfcheck_tokens, max_width=max_tree)
+        result = run_selfcheck(engine, tokens=options.selfcheck_tokens, max_width=max_tree + 1)
         verdict = {"ok": result.ok, "rows": result.rows_checked, "widths": len(result.widths),
                    "seconds": round(result.seconds, 2), "mismatch": result.first_mismatch}
         if result.ok:
             log.info("self-check passed: %d rows bit for bit, verify widths 1..%d, %.2fs; speculation on: "
-                     "drafters %s, prices %s", result.rows_checked, max_tree, result.seconds, ",".join(names), prices)
+                     "drafters %s, prices %s", result.rows_checked, max_tree + 1, result.seconds, ",".join(names), prices)
             spec.settle(True, "on", verdict)
         else:
             log.warning("speculation off for this process: the self-check found a verified row that differs "
