@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -98,21 +97,8 @@ CHAT = [
 ]
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _model_path(home: Path | None) -> Path:
-    from tandem_core import catalog
-    from tandem_core.pull import pull
-
-    return pull(catalog.entry("smollm2-135m").data, home=home)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu import _cpu_name, _model_path  # noqa: E402  (the same machine and model as the decode benchmark)
 
 
 class _NullDetok:
