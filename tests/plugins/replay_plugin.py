@@ -13,7 +13,8 @@ the first script whose ``when`` marker the prompt contains (else ``default``). A
 text script puts a peak on its next token at each position (then the end token);
 a ``random`` script gives pseudo-random logits that depend on the position only,
 so only constrained decoding can make them valid JSON. ``delay_s`` sleeps in each
-forward (slow generations for queue and disconnect tests). ``no_spawn`` leaves ``Served.spawn`` None.
+forward (slow generations for queue and disconnect tests); ``endless`` keeps a random
+script's end token from ever being drawn, so a slow generation cannot stop early by chance. ``no_spawn`` leaves ``Served.spawn`` None.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class ReplayEngine:
         k = position - self._prompt_len
         if self._script.get("random"):
             g = torch.Generator().manual_seed(7919 * position + 17)
-            return torch.randn(self.vocab, generator=g) * 2.0
+            row = torch.randn(self.vocab, generator=g) * 2.0
+            if self._script.get("endless"):
+                row[self.end] = -1e4
+            return row
         row = torch.zeros(self.vocab)
         row[self._target[k] if k < len(self._target) else self.end] = 20.0
         row[(position * 31) % self.vocab] += 3.0  # a runner-up, so logprobs have alternatives
