@@ -127,6 +127,10 @@ for _s in (
             "the Hugging Face hub cache searched for registry models"),
     Setting("REGISTRY", "", "tandem_core.catalog",
             "extra folder of models/<id>/model.yaml entries, searched before the shipped ones"),
+    Setting("CUDA_PDL", False, "tandem_core.ops.triton_pdl",
+            "launch the CUDA graph step's Triton kernels with programmatic dependent launch on compute "
+            "capability >= 9 (each kernel starts while the one before it drains; ordering unchanged; "
+            "measured on an H200: no gain in decode, 4 % slower verify, so off)", bool),
     Setting("THREADS", 0, "tandem_core.cli.main", "torch CPU threads (0: torch's default)", int),
     Setting("LOG_LEVEL", "INFO", "tandem_core.logs", "log level of the tandem loggers"),
 ):

@@ -11,8 +11,9 @@ position alone, never by how many rows the call carries or where the tree sits:
   node) gathers the node's own keys — committed slots below ``L``, its ancestors' cache
   slots ``L + anc[node, depth]`` above — so a tree node sees exactly the keys plain decode
   sees at that position, at the same offsets;
-- the **combine**: per (node, query head) the splits in order, then the tail, times the
-  output gate ``sigmoid(gate)`` (Qwen's gated attention), rounded to bf16.
+- the **combine**: per (node, query head) the maximum over the splits and the tail, then
+  every part scaled to it and summed (``NSB`` splits at a time, in a fixed order for a
+  position), times the output gate ``sigmoid(gate)`` (Qwen's gated attention), rounded to bf16.
 
 ``TAIL >= 128`` keeps every tree position (depth < 128) inside the tail, so the prefix
 holds committed rows only. Decode is the one-node tree; its rows equal verify rows bit
@@ -35,12 +36,15 @@ from typing import Any
 
 import torch
 
+from tandem_core.ops import triton_pdl as pdl
+
 __all__ = ["kernels", "tree_attention", "AttnScratch", "BS", "SPLIT", "TAIL", "n_splits"]
 
 BS = 64        # key block
 SPLIT = 256    # positions per prefix split (a multiple of BS)
 TAIL = 128     # positions before the row's block that go to the tail (>= the deepest tree)
 BM = 64        # prefix rows per tile
+NSB = 32       # splits the combine reads at a time
 
 tl: Any = None
 _K: dict[str, Any] = {}
@@ -56,12 +60,18 @@ def _build() -> dict[str, Any]:
     import triton.language as _tl
 
     tl = _tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    globals().update(gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
 
     @triton.jit
     def prefix_kernel(q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, HQ, stride_q,
                       stride_kh, stride_ks, stride_ps, qk_scale,
                       G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-                      SPLIT: tl.constexpr, TAIL: tl.constexpr):
+                      SPLIT: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         kvh = tl.program_id(0)
         s = tl.program_id(1)
         mt = tl.program_id(2)
@@ -105,7 +115,11 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def tail_kernel(q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, anc_ptr, m_ptr, l_ptr, acc_ptr, HQ, stride_q,
                     stride_kh, stride_ks, stride_anc, qk_scale,
-                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TAIL: tl.constexpr):
+                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TAIL: tl.constexpr,
+                    PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         kvh = tl.program_id(0)
         j = tl.program_id(1)
         L = tl.load(meta_ptr)
@@ -147,37 +161,41 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def combine_kernel(m_ptr, l_ptr, acc_ptr, tm_ptr, tl_ptr, tacc_ptr, meta_ptr, pos_ptr, gate_ptr, out_ptr,
                        HQ, stride_ps, stride_gate, stride_out,
-                       D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, TAIL: tl.constexpr):
+                       D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, TAIL: tl.constexpr,
+                       NSB: tl.constexpr, PDL: tl.constexpr):
+        # per (node, query head): the global max over the splits and the tail first, then every part scaled
+        # to it and summed, NSB splits at a time (a fixed order for a given position: row-invariant)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         j = tl.program_id(0)
         h = tl.program_id(1)
         n = tl.load(meta_ptr + 1)
         if j < n:
             p = tl.load(pos_ptr + j)
             ts = tl.maximum((p // BS) * BS - TAIL, 0)
+            ns = tl.cdiv(ts, SPLIT)
             row = j * HQ + h
             offs_d = tl.arange(0, D)
-            m = tl.load(tm_ptr + row)
-            l = tl.load(tl_ptr + row)
-            acc = tl.load(tacc_ptr + row * D + offs_d)
-            # the splits in order, then the tail; merging into (-inf, 0, 0) is exact, so no first-split branch
-            m0 = tl.full((), -float("inf"), dtype=tl.float32)
-            l0 = tl.zeros((), dtype=tl.float32)
-            acc0 = tl.zeros((D,), dtype=tl.float32)
-            for s in range(0, tl.cdiv(ts, SPLIT)):
-                ms = tl.load(m_ptr + s * stride_ps + row)
-                ls = tl.load(l_ptr + s * stride_ps + row)
-                accs = tl.load(acc_ptr + (s * stride_ps + row) * D + offs_d)
-                mn = tl.maximum(m0, ms)
-                a0 = tl.exp2(m0 - mn)
-                a1 = tl.exp2(ms - mn)
-                l0 = l0 * a0 + ls * a1
-                acc0 = acc0 * a0 + accs * a1
-                m0 = mn
-            mn = tl.maximum(m0, m)
-            a0 = tl.exp2(m0 - mn)
-            a1 = tl.exp2(m - mn)
-            l = l0 * a0 + l * a1
-            acc = acc0 * a0 + acc * a1
+            sb = tl.arange(0, NSB)
+            mt = tl.load(tm_ptr + row)                        # the tail holds position p: finite
+            mx = mt
+            for s0 in range(0, ns, NSB):
+                ok = s0 + sb < ns
+                ms = tl.load(m_ptr + (s0 + sb) * stride_ps + row, mask=ok, other=-float("inf"))
+                mx = tl.maximum(mx, tl.max(ms, 0))
+            wt = tl.exp2(mt - mx)
+            l = tl.load(tl_ptr + row) * wt
+            acc = tl.load(tacc_ptr + row * D + offs_d) * wt
+            for s0 in range(0, ns, NSB):
+                ok = s0 + sb < ns
+                ms = tl.load(m_ptr + (s0 + sb) * stride_ps + row, mask=ok, other=-float("inf"))
+                ws = tl.where(ok, tl.exp2(ms - mx), 0.0)
+                ls = tl.load(l_ptr + (s0 + sb) * stride_ps + row, mask=ok, other=0.0)
+                accs = tl.load(acc_ptr + ((s0 + sb) * stride_ps + row)[:, None] * D + offs_d[None, :],
+                               mask=ok[:, None], other=0.0)                                  # [NSB, D]
+                l += tl.sum(ls * ws, 0)
+                acc += tl.sum(accs * ws[:, None], 0)
             o = (acc / l).to(tl.bfloat16).to(tl.float32)
             gt = tl.load(gate_ptr + j * stride_gate + h * 2 * D + D + offs_d).to(tl.float32)
             sg = (1.0 / (1.0 + tl.exp(-gt))).to(tl.bfloat16).to(tl.float32)
@@ -214,15 +232,16 @@ def tree_attention(q: torch.Tensor, raw: torch.Tensor, K: torch.Tensor, V: torch
     D = head_dim
     qk_scale = float(scale) * 1.4426950408889634          # exp2 domain
     kk = kernels()
+    kw = pdl.launch_kw()
     mtiles = math.ceil(rows * G / BM)
     kk["prefix"][(hkv, scratch.splits, mtiles)](q, K, V, meta, pos, scratch.m, scratch.l, scratch.acc, hq, q.stride(0),
                                                 K.stride(0), K.stride(1), scratch.m.stride(0), qk_scale,
                                                 G=G, D=D, BM=BM, BS=BS, SPLIT=SPLIT, TAIL=TAIL, num_warps=8,
-                                                num_stages=2)
+                                                num_stages=2, **kw)
     kk["tail"][(hkv, rows)](q, K, V, meta, pos, anc, scratch.tm, scratch.tl, scratch.tacc, hq, q.stride(0),
                             K.stride(0), K.stride(1), anc.stride(0), qk_scale, G=G, GP=max(16, 1 << (G - 1).bit_length()),
-                            D=D, BS=BS, TAIL=TAIL, num_warps=4, num_stages=2)
+                            D=D, BS=BS, TAIL=TAIL, num_warps=4, num_stages=2, **kw)
     kk["combine"][(rows, hq)](scratch.m, scratch.l, scratch.acc, scratch.tm, scratch.tl, scratch.tacc, meta, pos, raw,
                               out, hq, scratch.m.stride(0), raw.stride(0), out.stride(0), D=D, BS=BS, SPLIT=SPLIT,
-                              TAIL=TAIL, num_warps=2)
+                              TAIL=TAIL, NSB=NSB, num_warps=4, **kw)
     return out

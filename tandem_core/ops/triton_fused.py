@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from tandem_core.ops import triton_pdl as pdl
+
 __all__ = ["kernels", "add_rms_norm_1p", "silu_mul", "gated_rms_norm", "conv_tree", "qk_post", "conv_commit",
            "kv_commit", "next_pow2"]
 
@@ -40,10 +42,16 @@ def _build() -> dict[str, Any]:
     import triton.language as _tl
 
     tl = _tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    globals().update(gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
 
     @triton.jit
     def add_norm_kernel(x_ptr, parts_ptr, w_ptr, out_ptr, n_parts, H, stride_x, stride_ps, stride_pm,
-                        stride_o, eps, BLOCK: tl.constexpr, PARTS_BF16: tl.constexpr):
+                        stride_o, eps, BLOCK: tl.constexpr, PARTS_BF16: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # one row: x <- bf16(x + bf16(sum_s parts[s])) (n_parts may be 0); out = bf16(x / rms(x) * (1 + w))
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
@@ -61,7 +69,10 @@ def _build() -> dict[str, Any]:
         tl.store(out_ptr + r * stride_o + offs, (x * inv * (1.0 + w)).to(tl.bfloat16), mask=ok)
 
     @triton.jit
-    def silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
+    def silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         r = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < I
@@ -72,7 +83,10 @@ def _build() -> dict[str, Any]:
 
     @triton.jit
     def gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, D, stride_or, stride_zr, stride_outr, eps,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # one (row, value head): out = bf16(o / rms(o) * w * silu(z)); o fp32 [R, Hv, D], z bf16 row-strided
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -88,7 +102,10 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def conv_tree_kernel(raw_ptr, tail_ptr, w_ptr, win_ptr, out_ptr, n_ptr, C, QK_HEADS,
                          stride_raw, stride_out, eps,
-                         KW: tl.constexpr, DH: tl.constexpr, BLOCK: tl.constexpr):
+                         KW: tl.constexpr, DH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # one (node i, head-sized channel group g): y = silu(sum_k w[c,k] * x_k) over the node's window
         # x_0..x_{KW-2} = win[i, k] < KW-1 ? tail[c, win] : raw[win - (KW-1), c]; x_{KW-1} = raw[i, c]
         i = tl.program_id(0)
@@ -121,7 +138,10 @@ def _build() -> dict[str, Any]:
 
     @triton.jit
     def conv_commit_kernel(tail_ptr, keep_ptr, path_ptr, d_ptr, C, stride_tail_l, stride_keep_l, stride_keep_r,
-                           KW: tl.constexpr, BLOCK: tl.constexpr):
+                           KW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # one (layer, channel block): tail <- the last KW-1 of [tail, keep[path[0]], ..., keep[path[d-1]]]
         lyr = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -142,7 +162,10 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def qk_post_kernel(raw_ptr, qn_ptr, kn_ptr, freq_ptr, pos_ptr, meta_ptr, q_out_ptr, K_ptr, V_ptr,
                        stride_raw, stride_qo_r, stride_kh, stride_ks, HQ, HKV, eps,
-                       D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+                       D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # one (row j, head): heads 0..HQ-1 queries, HQ..HQ+HKV-1 keys, then HKV values.
         # raw row: [q_0 | gate_0 | q_1 | gate_1 | ... | k (HKV*D) | v (HKV*D)]
         j = tl.program_id(0)
@@ -184,7 +207,10 @@ def _build() -> dict[str, Any]:
 
     @triton.jit
     def kv_commit_kernel(K_ptr, V_ptr, meta_ptr, path_ptr, d_ptr, stride_l, stride_h, stride_s,
-                         D: tl.constexpr, BLOCK: tl.constexpr):
+                         D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # one (layer, head, channel block): rows L + path[i] -> L + i, in increasing i (path[i] >= i: no overlap)
         lyr = tl.program_id(0)
         hh = tl.program_id(1)
@@ -226,7 +252,7 @@ def add_rms_norm_1p(x: torch.Tensor, parts: torch.Tensor | None, w: torch.Tensor
     else:
         n_parts, pp, sps, spm, pb = parts.shape[0], parts, parts.stride(0), parts.stride(1), False
     kernels()["add_norm"][(R,)](x, pp, w, out, n_parts, H, x.stride(0), sps, spm, out.stride(0), float(eps),
-                                BLOCK=next_pow2(H), PARTS_BF16=pb, num_warps=8)
+                                BLOCK=next_pow2(H), PARTS_BF16=pb, num_warps=8, **pdl.launch_kw())
     return out
 
 
@@ -235,7 +261,7 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     R, I = out.shape
     BLOCK = 1024
     kernels()["silu_mul"][(R, (I + BLOCK - 1) // BLOCK)](gu, out, I, gu.stride(0), out.stride(0), BLOCK=BLOCK,
-                                                         num_warps=4)
+                                                         num_warps=4, **pdl.launch_kw())
     return out
 
 
@@ -243,7 +269,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
     """``o: [R, Hv, D]`` fp32 contiguous; ``z``: ``[R, >= Hv*D]`` bf16 (row-strided); ``out: [R, Hv*D]`` bf16."""
     R, Hv, D = o.shape
     kernels()["gated_norm"][(R, Hv)](o, z, w, out, D, o.stride(0), z.stride(0), out.stride(0), float(eps),
-                                     BLOCK=next_pow2(D), num_warps=1)
+                                     BLOCK=next_pow2(D), num_warps=1, **pdl.launch_kw())
     return out
 
 
@@ -258,7 +284,7 @@ def conv_tree(raw: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, win: 
     groups = (C + head_dim - 1) // head_dim
     kernels()["conv_tree"][(rows, groups)](raw, tail, weight, win, out, n, C, qk_heads, raw.stride(0),
                                            out.stride(0), float(eps), KW=KW, DH=head_dim,
-                                           BLOCK=next_pow2(head_dim), num_warps=1)
+                                           BLOCK=next_pow2(head_dim), num_warps=1, **pdl.launch_kw())
     return out
 
 
@@ -270,7 +296,7 @@ def conv_commit(tails: torch.Tensor, keep: torch.Tensor, path: torch.Tensor, d: 
     BLOCK = 512
     kernels()["conv_commit"][(Ly, (C + BLOCK - 1) // BLOCK)](tails, keep, path, d, C, tails.stride(0),
                                                               keep.stride(0), keep.stride(1), KW=K1 + 1,
-                                                              BLOCK=BLOCK, num_warps=4)
+                                                              BLOCK=BLOCK, num_warps=4, **pdl.launch_kw())
 
 
 def qk_post(raw: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, freqs: torch.Tensor, pos: torch.Tensor,
@@ -280,7 +306,7 @@ def qk_post(raw: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, freqs
     cache ``K, V: [Hkv, S, D]`` at slot ``meta[0] + j``. ``pos: [rows]`` int32 positions; ``freqs: [R/2]``."""
     kernels()["qk_post"][(rows, hq + 2 * hkv)](raw, q_norm, k_norm, freqs, pos, meta, q_out, K, V, raw.stride(0),
                                                q_out.stride(0), K.stride(0), K.stride(1), hq, hkv, float(eps),
-                                               D=head_dim, R=rotary_dim, BLOCK=next_pow2(head_dim), num_warps=2)
+                                               D=head_dim, R=rotary_dim, BLOCK=next_pow2(head_dim), num_warps=2, **pdl.launch_kw())
 
 
 def kv_commit(K: torch.Tensor, V: torch.Tensor, meta: torch.Tensor, path: torch.Tensor, d: torch.Tensor) -> None:
@@ -288,4 +314,4 @@ def kv_commit(K: torch.Tensor, V: torch.Tensor, meta: torch.Tensor, path: torch.
     Ly, Hkv, S, D = K.shape
     BLOCK = min(256, next_pow2(D))
     kernels()["kv_commit"][(Ly, Hkv, (D + BLOCK - 1) // BLOCK)](K, V, meta, path, d, K.stride(0), K.stride(1),
-                                                                K.stride(2), D=D, BLOCK=BLOCK, num_warps=2)
+                                                                K.stride(2), D=D, BLOCK=BLOCK, num_warps=2, **pdl.launch_kw())

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from tandem_core.ops import triton_pdl as pdl
+
 __all__ = ["kernels", "gdn_tree", "gdn_chunk", "tree_plan", "TreePlan", "CHUNK"]
 
 CHUNK = 64
@@ -50,14 +52,22 @@ def _build() -> dict[str, Any]:
 
     tl = _tl
 
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    globals().update(gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
+
     @triton.jit(do_not_specialize=["write_out", "final_store"])
     def tree_kernel(qkv_ptr, ab_ptr, alog_ptr, dtb_ptr, S_ptr, scratch_ptr, o_ptr, plan_ptr, n_ptr,
                     write_out, final_store, col_b, col_a, scale,
                     stride_qkv_l, stride_qkv_r, stride_ab_l, stride_ab_r, stride_S_l, stride_o_r,
                     stride_scratch, stride_par_l, HV, G,
-                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    NP: tl.constexpr, PDL: tl.constexpr):
         # qkv: [layers, rows, 2*Hk*DK + HV*DV] fp32 (q, k L2-normalised); ab: [layers, rows, ...] bf16 (b at
-        # col_b + h, a at col_a + h); S: [layers, HV, DK, DV] fp32; plan: [3, n] int32 (row, load, save)
+        # col_b + h, a at col_a + h); S: [layers, HV, DK, DV] fp32; plan: [3, n] int32 (row, load, save), n <= NP
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         h = tl.program_id(0)
         vb = tl.program_id(1)
         lyr = tl.program_id(2)
@@ -68,6 +78,10 @@ def _build() -> dict[str, Any]:
         k_ok = offs_k < DK
         v_ok = offs_v < DV
         kv_ok = v_ok[:, None] & k_ok[None, :]
+        # the whole plan in registers: a node's inputs can be fetched before the node before it is done
+        pi = tl.arange(0, NP)
+        p_ok = pi < n
+        rows = tl.load(plan_ptr + pi, mask=p_ok, other=0)
         # the state slice, transposed: St[v, k] = S[k, v]  (St: [BV, BK])
         s_off = offs_v[:, None] + offs_k[None, :] * DV
         S_base = S_ptr + lyr * stride_S_l + h * DK * DV
@@ -77,20 +91,32 @@ def _build() -> dict[str, Any]:
         sc_base = scratch_ptr + lyr * stride_par_l + h * DK * DV
         alog = tl.load(alog_ptr + lyr * HV + h)
         dtb = tl.load(dtb_ptr + lyr * HV + h)
+        q_col = hk * DK + offs_k
+        k_col = (HV // G) * DK + hk * DK + offs_k
+        v_col = 2 * (HV // G) * DK + h * DV + offs_v
+        # node 0's inputs
+        row = tl.sum(tl.where(pi == 0, rows, 0), 0)
+        r = qkv_l + row * stride_qkv_r
+        q = tl.load(r + q_col, mask=k_ok, other=0.0)
+        k = tl.load(r + k_col, mask=k_ok, other=0.0)
+        v = tl.load(r + v_col, mask=v_ok, other=0.0)
+        b = tl.load(ab_l + row * stride_ab_r + col_b + h).to(tl.float32)
+        a = tl.load(ab_l + row * stride_ab_r + col_a + h).to(tl.float32)
         for i in range(0, n):
-            row = tl.load(plan_ptr + i)
             ld = tl.load(plan_ptr + n + i)
             sv = tl.load(plan_ptr + 2 * n + i)
+            # the next node's inputs, issued before this node's arithmetic (its row from the registers)
+            nrow = tl.sum(tl.where(pi == i + 1, rows, 0), 0)
+            nr = qkv_l + nrow * stride_qkv_r
+            q_n = tl.load(nr + q_col, mask=k_ok, other=0.0)
+            k_n = tl.load(nr + k_col, mask=k_ok, other=0.0)
+            v_n = tl.load(nr + v_col, mask=v_ok, other=0.0)
+            b_n = tl.load(ab_l + nrow * stride_ab_r + col_b + h).to(tl.float32)
+            a_n = tl.load(ab_l + nrow * stride_ab_r + col_a + h).to(tl.float32)
             if ld == -2:
                 St = tl.load(S_base + s_off, mask=kv_ok, other=0.0)
             elif ld >= 0:
                 St = tl.load(sc_base + ld * stride_scratch + s_off, mask=kv_ok, other=0.0)
-            r = qkv_l + row * stride_qkv_r
-            q = tl.load(r + hk * DK + offs_k, mask=k_ok, other=0.0)
-            k = tl.load(r + (HV // G) * DK + hk * DK + offs_k, mask=k_ok, other=0.0)
-            v = tl.load(r + 2 * (HV // G) * DK + h * DV + offs_v, mask=v_ok, other=0.0)
-            b = tl.load(ab_l + row * stride_ab_r + col_b + h).to(tl.float32)
-            a = tl.load(ab_l + row * stride_ab_r + col_a + h).to(tl.float32)
             beta = 1.0 / (1.0 + tl.exp(-b))
             x = a + dtb
             e = tl.exp(tl.minimum(x, 20.0))
@@ -107,6 +133,7 @@ def _build() -> dict[str, Any]:
                 tl.store(o_ptr + row * stride_o_r + h * DV + offs_v, o, mask=v_ok)
             if sv >= 0:
                 tl.store(sc_base + sv * stride_scratch + s_off, St, mask=kv_ok)
+            row, q, k, v, b, a = nrow, q_n, k_n, v_n, b_n, a_n
         if final_store != 0:
             tl.store(S_base + s_off, St, mask=kv_ok)
 
@@ -269,10 +296,11 @@ def gdn_tree(qkv: torch.Tensor, ab: torch.Tensor, col_b: int, col_a: int, A_log:
     Ly, Hv, Dk, Dv = S.shape
     G = Hv // num_k_heads
     grid = (Hv, math.ceil(Dv / BV), layers)
+    NP = max(16, _p2(plan.numel() // 3))
     kernels()["tree"][grid](qkv, ab, A_log, dt_bias, S, scratch, o, plan, n, int(write_out), int(final_store),
                             col_b, col_a, float(scale), qkv.stride(0), qkv.stride(1), ab.stride(0), ab.stride(1),
                             S.stride(0), o.stride(0), scratch.stride(0) if scratch.dim() == 4 else 0,
-                            0, Hv, G, DK=Dk, DV=Dv, BK=_p2(Dk), BV=BV, num_warps=4)
+                            0, Hv, G, DK=Dk, DV=Dv, BK=_p2(Dk), BV=BV, NP=NP, num_warps=4, **pdl.launch_kw())
 
 
 def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -6,9 +6,12 @@ not depend on how many rows are in the call. Here it does not, by construction:
 
 - the kernel config (``MatmulPlan``: tile sizes, split of K, warps, stages) is a
   function of the weight's shape ``(N, K)`` only, never of the row count;
-- rows sit in tiles of a fixed 64 (``BM``); a call of up to 64 rows is one tile,
-  65..128 rows are two tiles that share each loaded weight tile (``MT = 2``), so
-  every row goes through the same ``tl.dot`` of the same shape on the same K steps;
+- layout ``"xw"``: rows sit in tiles of a fixed 64 (``BM``); a call of up to 64 rows is
+  one tile, 65..128 rows are two tiles that share each loaded weight tile (``MT = 2``);
+  layout ``"wx"`` (swapped: the weight tile is the MMA's M side) computes ``W x^T`` with
+  rows in tiles of a fixed 16 (``BT``), up to 8 tiles sharing each weight tile, so one
+  decode row costs the tensor cores a quarter of the ``"xw"`` work. Either way every row
+  goes through the same ``tl.dot`` of the same shape on the same K steps;
 - with K split in ``split`` parts, each part writes an fp32 partial
   ``[split, M, N]`` and the consumer adds the parts in index order (``reduce_parts``).
 
@@ -26,9 +29,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["MatmulPlan", "plan_for", "skinny_matmul", "reduce_parts", "BM", "MAX_ROWS", "set_plan", "plans"]
+from tandem_core.ops import triton_pdl as pdl
 
-BM = 64          # rows per tile (fixed: the row-invariance rests on it)
+__all__ = ["MatmulPlan", "plan_for", "skinny_matmul", "reduce_parts", "BM", "BT", "MAX_ROWS", "set_plan", "plans"]
+
+BM = 64          # rows per tile of layout "xw" (fixed: the row-invariance rests on it)
+BT = 16          # rows per tile of layout "wx"
 MAX_ROWS = 128   # two tiles at most
 _SMS = 132       # H200 multiprocessors; only the split heuristic reads it
 
@@ -39,13 +45,15 @@ _K: dict[str, Any] = {}
 @dataclass(frozen=True)
 class MatmulPlan:
     """How one weight shape ``(N, K)`` is multiplied: ``BN`` output columns and ``BK`` of K per step, K cut in
-    ``split`` parts of ``k_split`` (a multiple of ``BK``), ``warps`` and pipeline ``stages``."""
+    ``split`` parts of ``k_split`` (a multiple of ``BK``), ``warps``, pipeline ``stages``, the ``layout``
+    (``"xw"`` or ``"wx"``)."""
 
     BN: int = 64
     BK: int = 128
     split: int = 1
     warps: int = 4
     stages: int = 4
+    layout: str = "wx"
 
     def k_split(self, K: int) -> int:
         return int(math.ceil(K / self.split / self.BK) * self.BK)
@@ -55,8 +63,8 @@ _PLANS: dict[tuple[int, int], MatmulPlan] = {}
 
 
 def plan_for(N: int, K: int) -> MatmulPlan:
-    """The plan for a weight of shape ``(N, K)``: a tuned one (``set_plan``) or the heuristic: 64-column tiles,
-    K cut so that at least two programs run per multiprocessor."""
+    """The plan for a weight of shape ``(N, K)``: a tuned one (``set_plan``) or the heuristic: layout ``"wx"``,
+    64-column tiles, K cut so that at least two programs run per multiprocessor."""
     p = _PLANS.get((N, K))
     if p is not None:
         return p
@@ -85,10 +93,22 @@ def _build() -> dict[str, Any]:
 
     tl = _tl
 
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    globals().update(gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
+
+    @triton.jit
+    def _wait_prev(PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    globals()["_wait_prev"] = _wait_prev
+
     @triton.jit(do_not_specialize=["M"])
     def mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om,
                   BM: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  EVEN_K: tl.constexpr, OUT_F32: tl.constexpr):
+                  EVEN_K: tl.constexpr, OUT_F32: tl.constexpr, PDL: tl.constexpr):
         # one program: BN output columns, one K part, every row (MT tiles of BM rows sharing each weight tile)
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -97,6 +117,7 @@ def _build() -> dict[str, Any]:
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < N
         k_lo = pid_s * K_SPLIT
+        _wait_prev(PDL)
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
         m0_ok = offs_m[:, None] < M
@@ -132,7 +153,82 @@ def _build() -> dict[str, Any]:
             else:
                 tl.store(o_ptrs + BM * stride_om, acc1.to(tl.bfloat16), mask=m1_ok & n_ok[None, :])
 
-    return {"mm": mm_kernel}
+    @triton.jit
+    def _mmt_step(w, xT_ptrs, t_ok, k_ok, acc, EVEN_K: tl.constexpr):
+        if EVEN_K:
+            xt = tl.load(xT_ptrs, mask=t_ok[None, :], other=0.0)                            # [BK, BT]
+        else:
+            xt = tl.load(xT_ptrs, mask=t_ok[None, :] & k_ok[:, None], other=0.0)
+        return tl.dot(w, xt, acc)
+
+    @triton.jit
+    def _mmt_store(o_ptrs, acc, ok, OUT_F32: tl.constexpr):
+        if OUT_F32:
+            tl.store(o_ptrs, acc, mask=ok)
+        else:
+            tl.store(o_ptrs, acc.to(tl.bfloat16), mask=ok)
+
+    globals().update(_mmt_step=_mmt_step, _mmt_store=_mmt_store)
+
+    @triton.jit(do_not_specialize=["M"])
+    def mmt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om,
+                   BT: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   EVEN_K: tl.constexpr, OUT_F32: tl.constexpr, PDL: tl.constexpr):
+        # one program: BN output columns, one K part, every row: out^T[BN, BT] = W[BN, BK] x^T[BK, BT] for MT
+        # tiles of BT rows sharing each weight tile
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_t = tl.arange(0, BT)
+        offs_k = tl.arange(0, BK)
+        n_ok = offs_n < N
+        k_lo = pid_s * K_SPLIT
+        _wait_prev(PDL)
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+        x_ptrs = x_ptr + offs_t[None, :] * stride_xm + (k_lo + offs_k)[:, None]              # [BK, BT]
+        acc0 = tl.zeros((BN, BT), dtype=tl.float32)
+        acc1 = tl.zeros((BN, BT), dtype=tl.float32)
+        acc2 = tl.zeros((BN, BT), dtype=tl.float32)
+        acc3 = tl.zeros((BN, BT), dtype=tl.float32)
+        acc4 = tl.zeros((BN, BT), dtype=tl.float32)
+        acc5 = tl.zeros((BN, BT), dtype=tl.float32)
+        acc6 = tl.zeros((BN, BT), dtype=tl.float32)
+        acc7 = tl.zeros((BN, BT), dtype=tl.float32)
+        step = BT * stride_xm
+        for kr in range(0, tl.cdiv(K_SPLIT, BK)):
+            k_ok = (k_lo + kr * BK + offs_k < K) & (kr * BK + offs_k < K_SPLIT)
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)                          # w: [BN, BK]
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc0 = _mmt_step(w, x_ptrs, offs_t < M, k_ok, acc0, EVEN_K)
+            if MT > 1:
+                acc1 = _mmt_step(w, x_ptrs + step, BT + offs_t < M, k_ok, acc1, EVEN_K)
+            if MT > 2:
+                acc2 = _mmt_step(w, x_ptrs + 2 * step, 2 * BT + offs_t < M, k_ok, acc2, EVEN_K)
+                acc3 = _mmt_step(w, x_ptrs + 3 * step, 3 * BT + offs_t < M, k_ok, acc3, EVEN_K)
+            if MT > 4:
+                acc4 = _mmt_step(w, x_ptrs + 4 * step, 4 * BT + offs_t < M, k_ok, acc4, EVEN_K)
+                acc5 = _mmt_step(w, x_ptrs + 5 * step, 5 * BT + offs_t < M, k_ok, acc5, EVEN_K)
+                acc6 = _mmt_step(w, x_ptrs + 6 * step, 6 * BT + offs_t < M, k_ok, acc6, EVEN_K)
+                acc7 = _mmt_step(w, x_ptrs + 7 * step, 7 * BT + offs_t < M, k_ok, acc7, EVEN_K)
+            w_ptrs += BK
+            x_ptrs += BK
+        o_ptrs = out_ptr + pid_s * stride_os + offs_t[None, :] * stride_om + offs_n[:, None]   # [BN, BT]
+        ostep = BT * stride_om
+        _mmt_store(o_ptrs, acc0, n_ok[:, None] & (offs_t < M)[None, :], OUT_F32)
+        if MT > 1:
+            _mmt_store(o_ptrs + ostep, acc1, n_ok[:, None] & (BT + offs_t < M)[None, :], OUT_F32)
+        if MT > 2:
+            _mmt_store(o_ptrs + 2 * ostep, acc2, n_ok[:, None] & (2 * BT + offs_t < M)[None, :], OUT_F32)
+            _mmt_store(o_ptrs + 3 * ostep, acc3, n_ok[:, None] & (3 * BT + offs_t < M)[None, :], OUT_F32)
+        if MT > 4:
+            _mmt_store(o_ptrs + 4 * ostep, acc4, n_ok[:, None] & (4 * BT + offs_t < M)[None, :], OUT_F32)
+            _mmt_store(o_ptrs + 5 * ostep, acc5, n_ok[:, None] & (5 * BT + offs_t < M)[None, :], OUT_F32)
+            _mmt_store(o_ptrs + 6 * ostep, acc6, n_ok[:, None] & (6 * BT + offs_t < M)[None, :], OUT_F32)
+            _mmt_store(o_ptrs + 7 * ostep, acc7, n_ok[:, None] & (7 * BT + offs_t < M)[None, :], OUT_F32)
+
+    return {"mm": mm_kernel, "mmt": mmt_kernel}
 
 
 def kernels() -> dict[str, Any]:
@@ -164,11 +260,19 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan | None = No
                           device=x.device)
     stride_os = out.stride(0) if f32 else 0
     stride_om = out.stride(1) if f32 else out.stride(0)
-    mt = 1 if M <= BM else 2
     grid = (math.ceil(N / p.BN), split)
-    kernels()["mm"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om,
-                          BM=BM, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=(ks * split == K and ks % p.BK == 0),
-                          OUT_F32=f32, num_warps=p.warps, num_stages=p.stages)
+    even = ks * split == K and ks % p.BK == 0
+    kw = pdl.launch_kw()
+    if p.layout == "wx":
+        mt = 1 if M <= BT else 2 if M <= 2 * BT else 4 if M <= 4 * BT else 8
+        kernels()["mmt"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om,
+                               BT=BT, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=even, OUT_F32=f32,
+                               num_warps=p.warps, num_stages=p.stages, **kw)
+    else:
+        mt = 1 if M <= BM else 2
+        kernels()["mm"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om,
+                              BM=BM, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=even, OUT_F32=f32,
+                              num_warps=p.warps, num_stages=p.stages, **kw)
     return out
 
 

@@ -28,7 +28,7 @@ engine over the same ``Qwen38Weights``) it returns the same matrices.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
@@ -272,11 +272,16 @@ class CudaRunner:
 
     def __init__(self, cfg: Qwen38Config, fw: FusedWeights, S: torch.Tensor, conv: torch.Tensor,
                  K: torch.Tensor, V: torch.Tensor, *, max_context: int, widths: Sequence[int] = WIDTHS,
-                 prefill_chunk: int = 4096) -> None:
+                 prefill_chunk: int = 4096, pdl: bool | None = None) -> None:
         from tandem_core.ops import rope as _rope
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_matmul as tm
+        from tandem_core.ops import triton_pdl
+        from tandem_core.settings import SETTINGS
 
+        if pdl is None:
+            pdl = bool(SETTINGS.get("CUDA_PDL")) and torch.cuda.get_device_capability(S.device)[0] >= 9
+        triton_pdl.set_enabled(pdl)
         self.cfg, self.fw = cfg, fw
         self.S, self.conv, self.K, self.V = S, conv, K, V
         self.max_context = int(max_context)
@@ -284,6 +289,7 @@ class CudaRunner:
         if self.widths[0] != 1 or self.widths[-1] > tm.MAX_ROWS:
             raise ValueError(f"widths {self.widths}: need 1 and at most {tm.MAX_ROWS}")
         self.prefill_chunk = int(prefill_chunk)
+        self.chunk_bv = 16          # value columns per program of the chunked rule's scan (32: half the programs)
         self.device = dev = S.device
         self.length = 0
         c = cfg
@@ -307,13 +313,13 @@ class CudaRunner:
                 N, Kd = w.shape
                 p = tm.plan_for(N, Kd)
                 if p.split != 1:
-                    tm.set_plan(N, Kd, tm.MatmulPlan(p.BN, p.BK, 1, p.warps, p.stages))
+                    tm.set_plan(N, Kd, dataclasses.replace(p, split=1))
         split_max = max(tm.plan_for(*w.shape).split for ly in fw.layers
                         for w in (ly.w_down, ly.mixer.w_out if isinstance(ly.mixer, GdnW) else ly.mixer.w_o))
 
         W = self.widths[-1]
         bf, f32 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.float32, device=dev)
-        n_gdn, n_attn = len(c.linear_layers), len(c.attention_layers)
+        n_gdn = len(c.linear_layers)
         self.x = torch.zeros(W, self.H, **bf)
         self.h = torch.zeros(W, self.H, **bf)
         self.parts = torch.zeros(split_max, W, self.H, **f32)
@@ -588,7 +594,6 @@ class CudaRunner:
         return torch.cat(outs)
 
     def _prefill_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        from tandem_core import ops as _ops
         from tandem_core.ops import triton_fused as tf
         from tandem_core.ops import triton_gdn as tg
 
@@ -599,24 +604,29 @@ class CudaRunner:
         h = torch.empty_like(x)
         meta = torch.tensor([L, T], dtype=torch.int32, device=dev)
         pos = torch.arange(L, L + T, dtype=torch.int32, device=dev)
-        conv_ref = _ops.reference("causal_conv")
+        # the chunk as a chain for the conv kernel: node i's window is columns i .. i + K - 2 of [tail ; rows]
+        chain = torch.arange(T, dtype=torch.int32, device=dev)
+        win = (chain[:, None] + torch.arange(self.kw - 1, dtype=torch.int32, device=dev)[None, :]).contiguous()
+        n_rows = meta[1:2]
+        qkvc = torch.empty(T, self.C, dtype=torch.float32, device=dev)
         parts: torch.Tensor | None = None
         for i, ly in enumerate(fw.layers):
             tf.add_rms_norm_1p(x, parts, ly.in_norm, eps, h)
             m, s = ly.mixer, self.slots[i]
             if isinstance(m, GdnW):
                 proj = F.linear(h, m.w_in)                                    # [T, C + Hv*Dv + 2Hv]
-                y, tail = conv_ref(proj[:, :self.C], self.conv[s], m.conv)    # y: [T, C] bf16
-                self.conv[s].copy_(tail)
-                q, k, v = torch.split(y, [self.hk * self.dk, self.hk * self.dk, self.zdim], dim=-1)
-                q = _l2(q.reshape(T, self.hk, self.dk))
-                k = _l2(k.reshape(T, self.hk, self.dk))
+                # conv + silu (+ L2 norm of the q and k heads) of the chain, then the tail moves on
+                tf.conv_tree(proj, self.conv[s], m.conv, win, n_rows, qkvc, self.dk, 2 * self.hk, T)
+                tf.conv_commit(self.conv[s:s + 1], proj[None], chain, n_rows)
+                q, k, v = torch.split(qkvc, [self.hk * self.dk, self.hk * self.dk, self.zdim], dim=-1)
+                q = q.reshape(T, self.hk, self.dk)
+                k = k.reshape(T, self.hk, self.dk)
                 b = proj[:, self.col_b:self.col_a].float()
                 a = proj[:, self.col_a:self.n_in].float()
                 beta = 1.0 / (1.0 + torch.exp(-b))
                 g = -fw.A_log[s].exp() * F.softplus(a + fw.dt_bias[s])
                 o, S = tg.gdn_chunk(q, k, v.reshape(T, self.hv, self.dv), g, beta, self.S[s],
-                                    scale=self.dk ** -0.5)
+                                    scale=self.dk ** -0.5, BV=self.chunk_bv)
                 self.S[s].copy_(S)
                 onorm = torch.empty(T, self.zdim, dtype=x.dtype, device=dev)
                 tf.gated_rms_norm(o, proj[:, self.C:], m.norm, eps, onorm)
@@ -645,11 +655,6 @@ class CudaRunner:
         self.conv.zero_()
         self.length = 0
         self._tree_n = 0
-
-
-def _l2(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
