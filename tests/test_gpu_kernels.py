@@ -15,13 +15,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("M", [1, 7, 64, 100])
-def test_skinny_matmul_rows_are_invariant(M):
+@pytest.mark.parametrize("layout", ["xw", "wx"])
+@pytest.mark.parametrize("M", [1, 7, 17, 64, 100])
+def test_skinny_matmul_rows_are_invariant(M, layout):
     from tandem_core.ops import triton_matmul as tm
 
     x = torch.randn(M, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16)
-    plan = tm.MatmulPlan(64, 128, 2)
+    plan = tm.MatmulPlan(64, 128, 2, layout=layout)
     y = tm.reduce_parts(tm.skinny_matmul(x, w, plan))
     assert rel(y, x.double() @ w.double().T) < 1e-5
     one = tm.reduce_parts(tm.skinny_matmul(x[:1], w, plan))
