@@ -56,6 +56,7 @@ def _build() -> dict[str, Any]:
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         ok = offs < H
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0)             # first: the store to x below would keep it back
         x = tl.load(x_ptr + r * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
         if n_parts > 0:
             d = tl.load(parts_ptr + r * stride_pm + offs, mask=ok, other=0.0).to(tl.float32)
@@ -65,7 +66,6 @@ def _build() -> dict[str, Any]:
             tl.store(x_ptr + r * stride_x + offs, x.to(tl.bfloat16), mask=ok)
         ms = tl.sum(x * x, 0) / H
         inv = 1.0 / tl.sqrt(ms + eps)
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0)
         tl.store(out_ptr + r * stride_o + offs, (x * inv * (1.0 + w)).to(tl.bfloat16), mask=ok)
 
     @triton.jit
@@ -94,8 +94,8 @@ def _build() -> dict[str, Any]:
         ok = offs < D
         o = tl.load(o_ptr + r * stride_or + h * D + offs, mask=ok, other=0.0)
         z = tl.load(z_ptr + r * stride_zr + h * D + offs, mask=ok, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)
         y = o * inv * w * (z / (1.0 + tl.exp(-z)))
         tl.store(out_ptr + r * stride_outr + h * D + offs, y.to(tl.bfloat16), mask=ok)
 
