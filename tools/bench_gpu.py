@@ -219,11 +219,11 @@ def lookup_draft(seq: list[int], k: int) -> list[int]:
 
 
 # -- our engine ----------------------------------------------------------------------------------------------
-def run_engine(out: Path, budget_s: float, tune: bool = True) -> dict:
+def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 128, prefill: bool = True) -> dict:
     import torch
 
     from tandem_qwen38.config import read_config
-    from tandem_qwen38.cuda_graphs import WIDTHS, CudaRunner
+    from tandem_qwen38.cuda_graphs import WIDTHS, CudaRunner, runner_widths
 
     torch.backends.cuda.matmul.allow_tf32 = False
     R: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
@@ -258,7 +258,10 @@ def run_engine(out: Path, budget_s: float, tune: bool = True) -> dict:
             R["plans"] = tune_plans(torch, fw)
             R["chunk_scan_ms"] = tune_chunk(torch, cfg)
             log(f"chunked rule at 4096 tokens, ms by value columns per program: {R['chunk_scan_ms']}")
-        run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, prefill_chunk=4096)
+        run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, prefill_chunk=4096,
+                         widths=runner_widths(max_tree))
+        R["widths"] = list(run.widths)
+        R["runner_plans"] = {f"{n}x{k}": p.__dict__ for (n, k), p in run.plans.items()}
         if tune:
             run.chunk_bv = min(R["chunk_scan_ms"], key=R["chunk_scan_ms"].get)
         log(f"built {R['weights_GB']:.1f} GB of weights in {time.time() - t:.1f}s; floor {R['floor_ms']:.2f} ms "
@@ -295,34 +298,36 @@ def run_engine(out: Path, budget_s: float, tune: bool = True) -> dict:
             rows.append(lg[0].clone())
             toks.append(int(lg[0].argmax()))
         checks = {}
-        # a chain of 40 (width 48)
+        # a chain of 40 (width 48), or as long as the widest verify
         restore(snap)
-        v = run.verify(toks[:40], [-1] + list(range(39)))
-        checks["chain40"] = all(torch.equal(v[i], rows[i]) for i in range(40))
+        c = min(40, run.widths[-1])
+        v = run.verify(toks[:c], [-1] + list(range(c - 1)))
+        checks[f"chain{c}"] = all(torch.equal(v[i], rows[i]) for i in range(c))
         # a tree: the chain's first 24 nodes interleaved with distractor branches, width 96 (two row tiles)
         restore(snap)
         tokens, parents, where = [], [], []
         prev = -1
-        for i in range(24):
+        for i in range(24 if run.widths[-1] >= 96 else max(1, run.widths[-1] * 3 // 10)):
             tokens.append(toks[i]); parents.append(prev); where.append(len(tokens) - 1); prev = len(tokens) - 1
             for j in range(2):                       # two distractors hanging off this chain node
                 tokens.append((toks[i] + 1 + j) % cfg.vocab_size); parents.append(prev)
             if i % 3 == 0:                           # and one grandchild under the first distractor
                 tokens.append(5); parents.append(prev + 1)
         v = run.verify(tokens, parents)
-        checks["tree_interleaved_n%d" % len(tokens)] = all(torch.equal(v[where[i]], rows[i]) for i in range(24))
+        checks["tree_interleaved_n%d" % len(tokens)] = all(torch.equal(v[where[i]], rows[i]) for i in range(len(where)))
         # commit the first 10 chain nodes of that tree, then decode: equals plain decode's row 10
-        run.commit(where[:10])
-        lg = run.decode(toks[10])
-        checks["commit_then_decode"] = bool(torch.equal(lg[0], rows[10]))
+        kc = min(10, len(where))
+        run.commit(where[:kc])
+        lg = run.decode(toks[kc])
+        checks["commit_then_decode"] = bool(torch.equal(lg[0], rows[kc]))
         # state after the commit equals the state after plain decode of the same tokens
         restore(snap)
-        for tk in toks[:10]:
+        for tk in toks[:kc]:
             run.decode(tk)
         S_plain, conv_plain = run.S.clone(), run.conv.clone()
         restore(snap)
         run.verify(tokens, parents)
-        run.commit(where[:10])
+        run.commit(where[:kc])
         checks["state_after_commit"] = bool(torch.equal(run.S, S_plain) and torch.equal(run.conv, conv_plain))
         if not checks["state_after_commit"]:
             dS = (run.S - S_plain).abs().flatten(1).amax(1)
@@ -404,7 +409,7 @@ def run_engine(out: Path, budget_s: float, tune: bool = True) -> dict:
 
     def verify_curve(reps: int = 8) -> dict:
         out = {}
-        for W in WIDTHS:
+        for W in run.widths:
             toks = rand_ids(W)
             ts = timed(torch, lambda: run.verify(toks, [-1] + list(range(W - 1))), reps, warm=1)
             out[W] = statistics.median(ts)
@@ -421,6 +426,8 @@ def run_engine(out: Path, budget_s: float, tune: bool = True) -> dict:
 
     R["decode"], R["verify"], R["prefill"] = {}, {}, {}
     with phase(R, "prefill"):
+        if not prefill:
+            raise RuntimeError("skipped (--skip-prefill)")
         prefill_rate(2048)                                    # warm
         for T in (2048, 8192, 32768):
             if time.time() - T0 > budget_s:
@@ -456,17 +463,18 @@ def run_engine(out: Path, budget_s: float, tune: bool = True) -> dict:
             mats += [ly.w_gu, ly.w_down]
         mats.append(fw.head)
         R["matmul_only"] = {}
-        for M in (1, 16, 64, 128):
+        for M in (m for m in (1, 16, 64, 128) if m <= run.widths[-1]):
             x = torch.randn(M, max(w.shape[1] for w in mats), device="cuda", dtype=torch.bfloat16)
-            outs = []
+            outs, pls = [], []
             for w in mats:
-                p = tm.plan_for(*w.shape)
+                p = run.plans[(int(w.shape[0]), int(w.shape[1]))]
+                pls.append(p)
                 outs.append(torch.empty((p.split, M, w.shape[0]) if p.split > 1 else (M, w.shape[0]),
                                         dtype=torch.float32 if p.split > 1 else torch.bfloat16, device="cuda"))
 
             def body():
-                for w, o in zip(mats, outs):
-                    tm.skinny_matmul(x[:, :w.shape[1]], w, out=o)
+                for w, p, o in zip(mats, pls, outs):
+                    tm.skinny_matmul(x[:, :w.shape[1]], w, p, out=o)
             body()
             gph = torch.cuda.CUDAGraph()
             s = torch.cuda.Stream()
@@ -482,13 +490,13 @@ def run_engine(out: Path, budget_s: float, tune: bool = True) -> dict:
     with phase(R, "prices"):
         from tandem_core.spec.cut import PriceTable
         ctxs = sorted(int(c) for c in R["verify"])
-        widths = list(WIDTHS)
+        widths = list(run.widths)
         table = PriceTable(tuple(widths), tuple(ctxs), tuple(tuple(float(R["verify"][c][w]) for w in widths)
                                                             for c in ctxs),
                            {"model": "qwen3.8-27b", "profile": "bf16", "device": "h200",
                             "meta": {"tool": "tools/bench_gpu.py engine", "repeats": 8,
                                      "gpu": R["device"], "weights": "random bf16 at the 27B shape"}})
-        table.save(out / "bf16.h200.json")
+        table.save(out / ("bf16.h200.json" if run.widths[-1] == WIDTHS[-1] else f"bf16.h200.w{run.widths[-1]}.json"))
     (out / "engine.json").write_text(json.dumps(R, indent=1, default=str))
     return R
 
@@ -843,11 +851,14 @@ def main() -> None:
     ap.add_argument("--fla", action="store_true", help="the peer with flash-linear-attention importable")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which long phases are skipped")
     ap.add_argument("--no-tune", action="store_true", help="keep the heuristic matmul plans")
+    ap.add_argument("--max-tree", type=int, default=128, help="the widest verify the engine captures (its plans "
+                    "follow it: up to 16 rows the 'wx' layout)")
+    ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill phase")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.part == "engine":
-        R = run_engine(out, a.budget, not a.no_tune)
+        R = run_engine(out, a.budget, not a.no_tune, a.max_tree, not a.skip_prefill)
         print(report(out))
         if R.get("errors"):
             for k, v in R["errors"].items():

@@ -305,17 +305,22 @@ class CudaRunner:
         self.slots = [c.slot(i) for i in range(c.num_hidden_layers)]
         self.freqs = _rope.inv_freq(c.rotary_dim, c.rope_theta, dev)
 
-        # matmul plans: a projection whose consumer reads bf16 is not split
+        # matmul plans, one per weight shape for every row count this runner multiplies (decode and verify
+        # alike: the row invariance rests on it), chosen for the widest verify; a projection whose consumer
+        # reads bf16 is not split
+        self.plans: dict[tuple[int, int], Any] = {}
+        rows = self.widths[-1]
+        whole: set[tuple[int, int]] = {(int(fw.head.shape[0]), int(fw.head.shape[1]))}
         for ly in fw.layers:
             m = ly.mixer
-            ws = [m.w_in, ly.w_gu] if isinstance(m, GdnW) else [m.w_qkv, ly.w_gu]
-            for w in ws + [fw.head]:
-                N, Kd = w.shape
-                p = tm.plan_for(N, Kd)
-                if p.split != 1:
-                    tm.set_plan(N, Kd, dataclasses.replace(p, split=1))
-        split_max = max(tm.plan_for(*w.shape).split for ly in fw.layers
-                        for w in (ly.w_down, ly.mixer.w_out if isinstance(ly.mixer, GdnW) else ly.mixer.w_o))
+            for w in ([m.w_in, ly.w_gu] if isinstance(m, GdnW) else [m.w_qkv, ly.w_gu]):
+                whole.add((int(w.shape[0]), int(w.shape[1])))
+            for w in (ly.w_down, m.w_out if isinstance(m, GdnW) else m.w_o):
+                self.plans[(int(w.shape[0]), int(w.shape[1]))] = tm.plan_for(int(w.shape[0]), int(w.shape[1]), rows)
+        for N, Kd in whole:
+            p = tm.plan_for(N, Kd, rows)
+            self.plans[(N, Kd)] = dataclasses.replace(p, split=1) if p.split != 1 else p
+        split_max = max(p.split for p in self.plans.values())
 
         W = self.widths[-1]
         bf, f32 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.float32, device=dev)
@@ -363,7 +368,7 @@ class CudaRunner:
             m, s = ly.mixer, self.slots[i]
             if isinstance(m, GdnW):
                 proj = self.proj[s, :W]
-                tm.skinny_matmul(h, m.w_in, out=proj)
+                tm.skinny_matmul(h, m.w_in, self._plan(m.w_in), out=proj)
                 tf.conv_tree(proj, self.conv[s], m.conv, meta.d("win").view(W, self.kw - 1), n,
                              self.qkvc[s, :W], self.dk, 2 * self.hk, W)
                 tg.gdn_tree(self.qkvc[s:s + 1], self.proj[s:s + 1], self.col_b, self.col_a,
@@ -374,7 +379,7 @@ class CudaRunner:
                 parts = self._mm_parts(self.onorm[:W], m.w_out)
             else:
                 ap = self.aproj[:W]
-                tm.skinny_matmul(h, m.w_qkv, out=ap)
+                tm.skinny_matmul(h, m.w_qkv, self._plan(m.w_qkv), out=ap)
                 tf.qk_post(ap, m.q_norm, m.k_norm, self.freqs, meta.d("pos"), head, self.qrot[:W], self.K[s],
                            self.V[s], self.hq, self.hkv, self.D, c.rotary_dim, eps, W)
                 ta.tree_attention(self.qrot[:W], ap, self.K[s], self.V[s], head, meta.d("pos"),
@@ -382,24 +387,27 @@ class CudaRunner:
                                   hkv=self.hkv, head_dim=self.D, scale=self.D ** -0.5, rows=W)
                 parts = self._mm_parts(self.aout[:W], m.w_o)
             tf.add_rms_norm_1p(x, parts, ly.post_norm, eps, h)
-            tm.skinny_matmul(h, ly.w_gu, out=self.gu[:W])
+            tm.skinny_matmul(h, ly.w_gu, self._plan(ly.w_gu), out=self.gu[:W])
             tf.silu_mul(self.gu[:W], self.act[:W])
             parts = self._mm_parts(self.act[:W], ly.w_down)
         tf.add_rms_norm_1p(x, parts, fw.norm, eps, h)
-        tm.skinny_matmul(h, fw.head, out=self.logits[:W])
+        tm.skinny_matmul(h, fw.head, self._plan(fw.head), out=self.logits[:W])
         if decode and len(self.fw.A_log):
             tf.conv_commit(self.conv, self.proj[:, :W], meta.d("path"), head[2:3])
 
     def _mm_parts(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from tandem_core.ops import triton_matmul as tm
 
-        p = tm.plan_for(*w.shape)
+        p = self._plan(w)
         M = x.shape[0]
         if p.split == 1:
-            return tm.skinny_matmul(x, w, out=self.pbuf[:M])
+            return tm.skinny_matmul(x, w, p, out=self.pbuf[:M])
         out = self.parts[:p.split, :M]
-        tm.skinny_matmul(x, w, out=out)
+        tm.skinny_matmul(x, w, p, out=out)
         return out
+
+    def _plan(self, w: torch.Tensor) -> Any:
+        return self.plans[(int(w.shape[0]), int(w.shape[1]))]
 
     # -- round inputs -------------------------------------------------------------------------------------
     def _fill_tree(self, meta: _Meta, tokens: Sequence[int], parents: Sequence[int]) -> None:

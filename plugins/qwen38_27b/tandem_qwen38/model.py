@@ -735,9 +735,7 @@ class Qwen38Engine:
             files |= {Path(inspect.getsourcefile(triton_matmul) or "").with_name(n).resolve() for n in kernels}
             settings["path"] = "cuda_graphs"
             settings["widths"] = list(self._cuda.widths)
-            shapes = sorted({(int(t.shape[0]), int(t.shape[1])) for t in self._cuda.fw.tensors()
-                             if t.dim() == 2 and t.dtype == torch.bfloat16})
-            settings["matmul_plans"] = {f"{n}x{k}": asdict(triton_matmul.plan_for(n, k)) for n, k in shapes}
+            settings["matmul_plans"] = {f"{n}x{k}": asdict(p) for (n, k), p in sorted(self._cuda.plans.items())}
         return Manifest(tuple(sorted(str(f) for f in files)), settings, extra)
 
     def memory_parts(self) -> list[MemoryPart]:
