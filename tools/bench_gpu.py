@@ -126,6 +126,21 @@ def timed(torch, fn, reps: int, warm: int = 2) -> list[float]:
     return out
 
 
+def graph_ms(torch, body, reps: int = 10) -> float:
+    """Median ms of one replay of ``body`` captured as a CUDA graph (after a warm-up run outside it)."""
+    body()
+    g = torch.cuda.CUDAGraph()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        body()
+        with torch.cuda.graph(g, stream=st):
+            body()
+    torch.cuda.current_stream().wait_stream(st)
+    torch.cuda.synchronize()
+    return statistics.median(timed(torch, g.replay, reps))
+
+
 def tune_plans(torch, fw) -> dict:
     """Per weight shape, the plan (layout ``xw`` or ``wx``, tiles, split of K, stages) with the lowest
     ``t(1 row) + t(64 rows) / 2``, each time one CUDA graph over every layer's matrix of that shape (what a
@@ -144,19 +159,6 @@ def tune_plans(torch, fw) -> dict:
         shapes.setdefault(tuple(ly.w_down.shape), ([], True))[0].append(ly.w_down)
     shapes.setdefault(tuple(fw.head.shape), ([], False))[0].append(fw.head)
 
-    def graph_ms(body) -> float:
-        body()
-        g = torch.cuda.CUDAGraph()
-        st = torch.cuda.Stream()
-        st.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(st):
-            body()
-            with torch.cuda.graph(g, stream=st):
-                body()
-        torch.cuda.current_stream().wait_stream(st)
-        torch.cuda.synchronize()
-        return statistics.median(timed(torch, g.replay, 5))
-
     chosen = {}
     for (N, K), (ws, may_split) in shapes.items():
         cands = []
@@ -172,7 +174,7 @@ def tune_plans(torch, fw) -> dict:
                 for M in (1, 64):
                     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                     o = tm.skinny_matmul(x, ws[0], p)
-                    ts[M] = graph_ms(lambda: [tm.skinny_matmul(x, w, p, out=o) for w in ws]) / len(ws)
+                    ts[M] = graph_ms(torch, lambda: [tm.skinny_matmul(x, w, p, out=o) for w in ws], 5) / len(ws)
             except Exception as exc:                     # a plan that does not fit (shared memory) is skipped
                 log(f"plan {p} for {N}x{K}: {type(exc).__name__}")
                 continue
@@ -475,16 +477,7 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
             def body():
                 for w, p, o in zip(mats, pls, outs):
                     tm.skinny_matmul(x[:, :w.shape[1]], w, p, out=o)
-            body()
-            gph = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                body()
-                with torch.cuda.graph(gph, stream=s):
-                    body()
-            torch.cuda.current_stream().wait_stream(s)
-            R["matmul_only"][M] = statistics.median(timed(torch, gph.replay, 10))
+            R["matmul_only"][M] = graph_ms(torch, body)
         log(f"matmul only: {R['matmul_only']}")
 
     with phase(R, "prices"):

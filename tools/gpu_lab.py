@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_gpu import SHAPE, copy_bandwidth, log, phase, random_weights, timed  # noqa: E402
+from bench_gpu import SHAPE, copy_bandwidth, graph_ms, log, phase, random_weights, timed  # noqa: E402
 
 
 def read_bandwidth(torch) -> float:
@@ -47,20 +47,6 @@ def decode_mats(fw):
         mats += [(ly.w_gu, False), (ly.w_down, True)]
     mats.append((fw.head, False))
     return mats
-
-
-def graph_ms(torch, body, reps: int = 10) -> float:
-    body()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-        with torch.cuda.graph(g, stream=s):
-            body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    return statistics.median(timed(torch, g.replay, reps))
 
 
 def tune(torch, tm, shapes, layout: str, R: dict) -> dict:
