@@ -60,18 +60,15 @@ def _build() -> dict[str, Any]:
     import triton.language as _tl
 
     tl = _tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    globals().update(gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
+    pdl_wait = pdl.jit_helpers()["pdl_wait"]
+    globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
 
     @triton.jit
     def prefix_kernel(q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, HQ, stride_q,
                       stride_kh, stride_ks, stride_ps, qk_scale,
                       G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
                       SPLIT: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         kvh = tl.program_id(0)
         s = tl.program_id(1)
         mt = tl.program_id(2)
@@ -117,9 +114,7 @@ def _build() -> dict[str, Any]:
                     stride_kh, stride_ks, stride_anc, qk_scale,
                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TAIL: tl.constexpr,
                     PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         kvh = tl.program_id(0)
         j = tl.program_id(1)
         L = tl.load(meta_ptr)
@@ -165,9 +160,7 @@ def _build() -> dict[str, Any]:
                        NSB: tl.constexpr, PDL: tl.constexpr):
         # per (node, query head): the global max over the splits and the tail first, then every part scaled
         # to it and summed, NSB splits at a time (a fixed order for a given position: row-invariant)
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         j = tl.program_id(0)
         h = tl.program_id(1)
         n = tl.load(meta_ptr + 1)

@@ -42,16 +42,13 @@ def _build() -> dict[str, Any]:
     import triton.language as _tl
 
     tl = _tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    globals().update(gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
+    pdl_wait = pdl.jit_helpers()["pdl_wait"]
+    globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
 
     @triton.jit
     def add_norm_kernel(x_ptr, parts_ptr, w_ptr, out_ptr, n_parts, H, stride_x, stride_ps, stride_pm,
                         stride_o, eps, BLOCK: tl.constexpr, PARTS_BF16: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         # one row: x <- bf16(x + bf16(sum_s parts[s])) (n_parts may be 0); out = bf16(x / rms(x) * (1 + w))
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
@@ -70,9 +67,7 @@ def _build() -> dict[str, Any]:
 
     @triton.jit
     def silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         r = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < I
@@ -84,9 +79,7 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, D, stride_or, stride_zr, stride_outr, eps,
                           BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         # one (row, value head): out = bf16(o / rms(o) * w * silu(z)); o fp32 [R, Hv, D], z bf16 row-strided
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -103,9 +96,7 @@ def _build() -> dict[str, Any]:
     def conv_tree_kernel(raw_ptr, tail_ptr, w_ptr, win_ptr, out_ptr, n_ptr, C, QK_HEADS,
                          stride_raw, stride_out, eps,
                          KW: tl.constexpr, DH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         # one (node i, head-sized channel group g): y = silu(sum_k w[c,k] * x_k) over the node's window
         # x_0..x_{KW-2} = win[i, k] < KW-1 ? tail[c, win] : raw[win - (KW-1), c]; x_{KW-1} = raw[i, c]
         i = tl.program_id(0)
@@ -139,9 +130,7 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def conv_commit_kernel(tail_ptr, keep_ptr, path_ptr, d_ptr, C, stride_tail_l, stride_keep_l, stride_keep_r,
                            KW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         # one (layer, channel block): tail <- the last KW-1 of [tail, keep[path[0]], ..., keep[path[d-1]]]
         lyr = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -163,9 +152,7 @@ def _build() -> dict[str, Any]:
     def qk_post_kernel(raw_ptr, qn_ptr, kn_ptr, freq_ptr, pos_ptr, meta_ptr, q_out_ptr, K_ptr, V_ptr,
                        stride_raw, stride_qo_r, stride_kh, stride_ks, HQ, HKV, eps,
                        D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         # one (row j, head): heads 0..HQ-1 queries, HQ..HQ+HKV-1 keys, then HKV values.
         # raw row: [q_0 | gate_0 | q_1 | gate_1 | ... | k (HKV*D) | v (HKV*D)]
         j = tl.program_id(0)
@@ -208,9 +195,7 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def kv_commit_kernel(K_ptr, V_ptr, meta_ptr, path_ptr, d_ptr, stride_l, stride_h, stride_s,
                          D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         # one (layer, head, channel block): rows L + path[i] -> L + i, in increasing i (path[i] >= i: no overlap)
         lyr = tl.program_id(0)
         hh = tl.program_id(1)

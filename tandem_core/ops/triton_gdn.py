@@ -52,9 +52,8 @@ def _build() -> dict[str, Any]:
 
     tl = _tl
 
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    globals().update(gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
+    pdl_wait = pdl.jit_helpers()["pdl_wait"]
+    globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
 
     @triton.jit(do_not_specialize=["write_out", "final_store"])
     def tree_kernel(qkv_ptr, ab_ptr, alog_ptr, dtb_ptr, S_ptr, scratch_ptr, o_ptr, plan_ptr, n_ptr,
@@ -65,9 +64,7 @@ def _build() -> dict[str, Any]:
                     NP: tl.constexpr, PDL: tl.constexpr):
         # qkv: [layers, rows, 2*Hk*DK + HV*DV] fp32 (q, k L2-normalised); ab: [layers, rows, ...] bf16 (b at
         # col_b + h, a at col_a + h); S: [layers, HV, DK, DV] fp32; plan: [3, n] int32 (row, load, save), n <= NP
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         h = tl.program_id(0)
         vb = tl.program_id(1)
         lyr = tl.program_id(2)

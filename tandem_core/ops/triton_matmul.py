@@ -94,17 +94,8 @@ def _build() -> dict[str, Any]:
 
     tl = _tl
 
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    globals().update(gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
-
-    @triton.jit
-    def _wait_prev(PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-
-    globals()["_wait_prev"] = _wait_prev
+    pdl_wait = pdl.jit_helpers()["pdl_wait"]
+    globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
 
     @triton.jit(do_not_specialize=["M"])
     def mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om,
@@ -118,7 +109,7 @@ def _build() -> dict[str, Any]:
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < N
         k_lo = pid_s * K_SPLIT
-        _wait_prev(PDL)
+        pdl_wait(PDL)
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
         m0_ok = offs_m[:, None] < M
@@ -184,7 +175,7 @@ def _build() -> dict[str, Any]:
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < N
         k_lo = pid_s * K_SPLIT
-        _wait_prev(PDL)
+        pdl_wait(PDL)
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
         x_ptrs = x_ptr + offs_t[None, :] * stride_xm + (k_lo + offs_k)[:, None]              # [BK, BT]
         acc0 = tl.zeros((BN, BT), dtype=tl.float32)

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["enabled", "set_enabled", "launch_kw"]
+__all__ = ["enabled", "set_enabled", "launch_kw", "jit_helpers"]
 
 _ON = {"on": False}
+_H: dict[str, Any] = {}
 
 
 def enabled() -> bool:
@@ -41,3 +42,23 @@ def set_enabled(flag: bool) -> None:
 def launch_kw() -> dict[str, Any]:
     """Launch options and the ``PDL`` constexpr for one launch."""
     return {"launch_pdl": True, "PDL": True} if _ON["on"] else {"PDL": False}
+
+
+def jit_helpers() -> dict[str, Any]:
+    """``{"pdl_wait": fn}``: the Triton helper every step kernel calls first, ``pdl_wait(PDL)`` (a no-op unless
+    ``PDL``). A kernel module puts it in its globals when it builds its kernels (Triton is imported here then)."""
+    if not _H:
+        import triton
+        import triton.language as tl
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+        globals().update(tl=tl, gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
+
+        @triton.jit
+        def pdl_wait(PDL: tl.constexpr):
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+
+        _H["pdl_wait"] = pdl_wait
+    return _H
