@@ -352,35 +352,13 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
         plain = [int(first)]
         for _ in range(64):
             plain.append(int(run.decode(plain[-1])[0].argmax()))
-        restore(snap)
-        seq = [int(first)]              # last element: the model's own token, not yet forwarded
-        rounds, accepted = 0, 0
-        while len(seq) < 65:
-            draft = lookup_draft(seq, 6)
-            tokens = [seq[-1]] + draft
-            v = run.verify(tokens, [-1] + list(range(len(draft))))
-            picks = run.picks(v)
-            k = 0
-            while k < len(draft) and draft[k] == picks[k]:
-                k += 1
-            run.commit(list(range(k + 1)))
-            seq += draft[:k] + [picks[k]]
-            rounds += 1
-            accepted += k
-        R["spec"] = {"lookup": {"equal": seq[:65] == plain[:65], "rounds": rounds, "accepted_drafts": accepted}}
-        import random
-        rng = random.Random(0)
-        for k_draft in (4, 12):
+        def greedy_spec(draft_of) -> dict:
+            """Rounds of verify + walk + commit from the snapshot with ``draft_of(seq)`` chains; vs plain greedy."""
             restore(snap)
-            seq, rounds, accepted = [int(first)], 0, 0
+            seq, rounds, accepted = [int(first)], 0, 0       # last element: the model's own token, not forwarded
             while len(seq) < 65:
-                pos = len(seq) - 1
-                draft = list(plain[pos + 1:pos + 1 + k_draft]) or [seq[-1]]
-                bad = rng.randint(0, k_draft + 2)
-                if bad < len(draft):
-                    draft[bad] = (draft[bad] + 1) % cfg.vocab_size
-                tokens = [seq[-1]] + draft
-                v = run.verify(tokens, [-1] + list(range(len(draft))))
+                draft = draft_of(seq)
+                v = run.verify([seq[-1]] + draft, [-1] + list(range(len(draft))))
                 picks = run.picks(v)
                 k = 0
                 while k < len(draft) and draft[k] == picks[k]:
@@ -389,8 +367,24 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
                 seq += draft[:k] + [picks[k]]
                 rounds += 1
                 accepted += k
-            R["spec"][f"oracle{k_draft}"] = {"equal": seq[:65] == plain[:65], "rounds": rounds,
-                                            "accepted_drafts": accepted}
+            return {"equal": seq[:65] == plain[:65], "rounds": rounds, "accepted_drafts": accepted}
+
+        import random
+        rng = random.Random(0)
+
+        def oracle(k_draft):
+            def draft_of(seq):                               # plain's next tokens, one of them sometimes wrong
+                pos = len(seq) - 1
+                draft = list(plain[pos + 1:pos + 1 + k_draft]) or [seq[-1]]
+                bad = rng.randint(0, k_draft + 2)
+                if bad < len(draft):
+                    draft[bad] = (draft[bad] + 1) % cfg.vocab_size
+                return draft
+            return draft_of
+
+        R["spec"] = {"lookup": greedy_spec(lambda seq: lookup_draft(seq, 6))}
+        for k_draft in (4, 12):
+            R["spec"][f"oracle{k_draft}"] = greedy_spec(oracle(k_draft))
         log(f"spec vs plain: {R['spec']}")
 
     # -- timing ----------------------------------------------------------------------------------------
