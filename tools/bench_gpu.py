@@ -141,29 +141,38 @@ def graph_ms(torch, body, reps: int = 10) -> float:
     return statistics.median(timed(torch, g.replay, reps))
 
 
-def tune_plans(torch, fw) -> dict:
-    """Per weight shape, the plan (layout ``xw`` or ``wx``, tiles, split of K, stages) with the lowest
-    ``t(1 row) + t(64 rows) / 2``, each time one CUDA graph over every layer's matrix of that shape (what a
+def decode_mats(fw) -> list:
+    """Every weight matmul of a decode step in order (257 at the 27B shape), each with whether its K may be split
+    (its consumer adds fp32 parts rather than reading bf16)."""
+    from tandem_qwen38.cuda_graphs import GdnW
+
+    mats = []
+    for ly in fw.layers:
+        m = ly.mixer
+        mats += [(m.w_in, False), (m.w_out, True)] if isinstance(m, GdnW) else [(m.w_qkv, False), (m.w_o, True)]
+        mats += [(ly.w_gu, False), (ly.w_down, True)]
+    mats.append((fw.head, False))
+    return mats
+
+
+def tune_plans(torch, fw, layouts=("xw", "wx"), weight64: float = 0.5) -> dict:
+    """Per weight shape, the plan (layout, tiles, split of K, stages) with the lowest
+    ``t(1 row) + weight64 * t(64 rows)``, each time one CUDA graph over every layer's matrix of that shape (what a
     step sees: no launch gaps, no weight in L2). A shape whose output a bf16 consumer reads keeps
     ``split == 1``. The plan depends on the shape only, so the row invariance holds whatever is chosen."""
     from tandem_core.ops import triton_matmul as tm
-    from tandem_qwen38.cuda_graphs import GdnW
 
     shapes: dict[tuple[int, int], tuple[list, bool]] = {}
-    for ly in fw.layers:
-        m = ly.mixer
-        for w, may_split in ((m.w_in, False), (m.w_out, True)) if isinstance(m, GdnW) else \
-                ((m.w_qkv, False), (m.w_o, True)):
-            shapes.setdefault(tuple(w.shape), ([], may_split))[0].append(w)
-        shapes.setdefault(tuple(ly.w_gu.shape), ([], False))[0].append(ly.w_gu)
-        shapes.setdefault(tuple(ly.w_down.shape), ([], True))[0].append(ly.w_down)
-    shapes.setdefault(tuple(fw.head.shape), ([], False))[0].append(fw.head)
-
+    for w, may_split in decode_mats(fw):
+        ws, ok = shapes.get(tuple(w.shape), ([], True))
+        shapes[tuple(w.shape)] = (ws + [w], ok and may_split)
     chosen = {}
     for (N, K), (ws, may_split) in shapes.items():
         cands = []
         for layout, BN, BK, wp, st in (("xw", 64, 128, 4, 4), ("xw", 128, 128, 4, 3), ("wx", 64, 128, 4, 4),
                                        ("wx", 128, 128, 4, 3), ("wx", 64, 256, 4, 3)):
+            if layout not in layouts:
+                continue
             for split in ((1, 2, 4) if may_split else (1,)):
                 if K % (BK * split) == 0:
                     cands.append(tm.MatmulPlan(BN, BK, split, wp, st, layout))
@@ -178,7 +187,7 @@ def tune_plans(torch, fw) -> dict:
             except Exception as exc:                     # a plan that does not fit (shared memory) is skipped
                 log(f"plan {p} for {N}x{K}: {type(exc).__name__}")
                 continue
-            cost = ts[1] + ts[64] / 2
+            cost = ts[1] + weight64 * ts[64]
             rows.append((p.__dict__, ts[1], ts[64]))
             if best_c is None or cost < best_c:
                 best, best_c, best_ts = p, cost, ts
@@ -191,7 +200,7 @@ def tune_plans(torch, fw) -> dict:
     return chosen
 
 
-def tune_chunk(torch, cfg) -> dict:
+def time_chunk(torch, cfg) -> dict:
     """The chunked rule's scan at 4096 tokens with 16 or 32 value columns per program; returns both times."""
     from tandem_core.ops import triton_gdn as tg
 
@@ -258,14 +267,14 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
         V = torch.zeros_like(K)
         if tune:
             R["plans"] = tune_plans(torch, fw)
-            R["chunk_scan_ms"] = tune_chunk(torch, cfg)
-            log(f"chunked rule at 4096 tokens, ms by value columns per program: {R['chunk_scan_ms']}")
+            R["chunk_scan_ms"] = time_chunk(torch, cfg)
+            log(f"chunked rule at 4096 tokens, ms by value columns per program: {R['chunk_scan_ms']} (the runner "
+                f"uses gdn_chunk's default, 32)")
         run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, prefill_chunk=4096,
                          widths=runner_widths(max_tree))
         R["widths"] = list(run.widths)
         R["runner_plans"] = {f"{n}x{k}": p.__dict__ for (n, k), p in run.plans.items()}
-        if tune:
-            run.chunk_bv = min(R["chunk_scan_ms"], key=R["chunk_scan_ms"].get)
+
         log(f"built {R['weights_GB']:.1f} GB of weights in {time.time() - t:.1f}s; floor {R['floor_ms']:.2f} ms "
             f"(all weights), {R['floor_read_ms']:.2f} ms (bytes a decode reads)")
 
@@ -451,13 +460,7 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
     with phase(R, "matmul_only"):
         # the weight matmuls alone as a graph, at 1 / 16 / 64 / 128 rows (what the kernels give the bandwidth)
         from tandem_core.ops import triton_matmul as tm
-        from tandem_qwen38.cuda_graphs import GdnW
-        mats = []
-        for ly in fw.layers:
-            m = ly.mixer
-            mats += [m.w_in, m.w_out] if isinstance(m, GdnW) else [m.w_qkv, m.w_o]
-            mats += [ly.w_gu, ly.w_down]
-        mats.append(fw.head)
+        mats = [w for w, _ in decode_mats(fw)]
         R["matmul_only"] = {}
         for M in (m for m in (1, 16, 64, 128) if m <= run.widths[-1]):
             x = torch.randn(M, max(w.shape[1] for w in mats), device="cuda", dtype=torch.bfloat16)

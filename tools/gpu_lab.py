@@ -4,9 +4,9 @@
 
 - ``bw``: the copy bandwidth (read + write) and the read bandwidth (a sum over 8 GiB of bf16).
 - ``mm``: every weight matmul of a decode step (257 launches) as one CUDA graph at 1 and 64 rows:
-  cuBLAS (``torch.mm``), layout ``xw`` and ``wx`` with plans tuned per shape at one row, and
-  ``wx`` launched with programmatic dependent launch (PDL), with and without an L2 prefetch of
-  each program's first weight tiles before it waits. Writes the chosen plans to ``plans.json``.
+  cuBLAS (``torch.mm``), layouts ``xw`` and ``wx`` with plans tuned per shape at one row
+  (``bench_gpu.tune_plans``), each launched plainly and with programmatic dependent launch (PDL).
+  Writes the plans of the faster layout (which the profile then runs) to ``plans.json``.
 - ``profile``: the per-kernel device time (torch profiler, eager) of a decode step, a 64-node
   verify and a 4096-token prefill chunk at 4K context, summed by kernel; and the graph replay
   times of decode and verify 16/64 with PDL off and on.
@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_gpu import SHAPE, copy_bandwidth, graph_ms, log, phase, random_weights, timed  # noqa: E402
+from bench_gpu import (SHAPE, copy_bandwidth, decode_mats, graph_ms, log, phase, random_weights,  # noqa: E402
+                       timed, tune_plans)
 
 
 def read_bandwidth(torch) -> float:
@@ -37,59 +38,11 @@ def read_bandwidth(torch) -> float:
     return (1 << 33) / (statistics.median(ts) / 1e3) / 1e12
 
 
-def decode_mats(fw):
-    from tandem_qwen38.cuda_graphs import GdnW
-
-    mats = []
-    for ly in fw.layers:
-        m = ly.mixer
-        mats += [(m.w_in, False), (m.w_out, True)] if isinstance(m, GdnW) else [(m.w_qkv, False), (m.w_o, True)]
-        mats += [(ly.w_gu, False), (ly.w_down, True)]
-    mats.append((fw.head, False))
-    return mats
-
-
-def tune(torch, tm, shapes, layout: str, R: dict) -> dict:
-    """Per weight shape, the fastest of a few plans at one row (each also compiled at 64 rows)."""
-    chosen = {}
-    for (N, K), (w, may_split) in shapes.items():
-        cands = []
-        tiles = ((64, 128, 4, 4), (128, 128, 4, 3), (64, 256, 4, 3), (32, 256, 4, 4)) if layout == "xw" else \
-            ((64, 128, 4, 4), (128, 128, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3), (64, 128, 4, 6))
-        for BN, BK, wp, st in tiles:
-            for split in ((1, 2, 4) if may_split else (1,)):
-                if K % (BK * split) == 0:
-                    cands.append(tm.MatmulPlan(BN, BK, split, wp, st, layout))
-        best, best_t, rows = None, None, []
-        for p in cands:
-            try:
-                xs = {M: torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for M in (64, 1)}
-                o = {M: tm.skinny_matmul(xs[M], w, p) for M in xs}
-                torch.cuda.synchronize()
-                t = statistics.median(timed(torch, lambda: tm.skinny_matmul(xs[1], w, p, out=o[1]), 10))
-            except Exception as exc:
-                log(f"plan {p} for {N}x{K}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            rows.append((p, t))
-            if best_t is None or t < best_t * 0.985:
-                best, best_t = p, t
-        tm.set_plan(N, K, best)
-        gbps = w.numel() * 2 / best_t / 1e6
-        chosen[f"{N}x{K}"] = {"plan": best.__dict__, "ms": best_t, "GBps": gbps,
-                              "all": [(p.__dict__, t) for p, t in rows]}
-        log(f"{layout} {N}x{K}: {best} {best_t * 1e3:.1f} us ({gbps:.0f} GB/s)")
-    R.setdefault("plans", {})[layout] = chosen
-    return chosen
-
-
 def run_mm(torch, fw, R: dict) -> None:
     from tandem_core.ops import triton_matmul as tm
     from tandem_core.ops import triton_pdl as pdl
 
     mats = decode_mats(fw)
-    shapes: dict = {}
-    for w, s in mats:
-        shapes.setdefault(tuple(w.shape), (w, s))
     K_max = max(w.shape[1] for w, _ in mats)
     res = R.setdefault("mm", {})
     xs = {M: torch.randn(M, K_max, device="cuda", dtype=torch.bfloat16) for M in (1, 64)}
@@ -103,54 +56,37 @@ def run_mm(torch, fw, R: dict) -> None:
         return body
 
     def ours(M):
-        outs = []
-        for w, _ in mats:
-            p = tm.plan_for(*w.shape)
-            outs.append(torch.empty((p.split, M, w.shape[0]) if p.split > 1 else (M, w.shape[0]),
-                                    dtype=torch.float32 if p.split > 1 else torch.bfloat16, device="cuda"))
+        pls = [tm.plan_for(*w.shape) for w, _ in mats]
+        outs = [torch.empty((p.split, M, w.shape[0]) if p.split > 1 else (M, w.shape[0]),
+                            dtype=torch.float32 if p.split > 1 else torch.bfloat16, device="cuda")
+                for (w, _), p in zip(mats, pls)]
 
         def body():
-            for (w, _), o in zip(mats, outs):
-                tm.skinny_matmul(xs[M][:, :w.shape[1]], w, out=o)
+            for (w, _), p, o in zip(mats, pls, outs):
+                tm.skinny_matmul(xs[M][:, :w.shape[1]], w, p, out=o)
         return body
 
     for M in (1, 64):
         res[f"cublas_{M}"] = graph_ms(torch, cublas(M))
         log(f"cuBLAS graph M={M}: {res[f'cublas_{M}']:.2f} ms")
-    best = (None, None, None)              # (ms at one row, layout, prefetch)
     by_layout = {}
     for layout in ("xw", "wx"):
-        tune(torch, tm, shapes, layout, R)
-        for M in (1, 64):
-            pdl.set_enabled(False)
-            res[f"{layout}_{M}"] = graph_ms(torch, ours(M))
-            log(f"{layout} graph M={M}: {res[f'{layout}_{M}']:.2f} ms")
-        tuned = by_layout[layout] = dict(tm.plans())
-        if best[0] is None or res[f"{layout}_1"] < best[0]:
-            best = (res[f"{layout}_1"], layout, -1)
-        for pf in (0, 2, 6):
-            for (N, K), p in tuned.items():
-                tm.set_plan(N, K, tm.MatmulPlan(p.BN, p.BK, p.split, p.warps, p.stages, p.layout, pf))
-            pdl.set_enabled(True)
-            try:
-                for M in (1, 64):
-                    res[f"{layout}_pdl{pf}_{M}"] = graph_ms(torch, ours(M))
-                    log(f"{layout} PDL prefetch {pf} graph M={M}: {res[f'{layout}_pdl{pf}_{M}']:.2f} ms")
-                if res[f"{layout}_pdl{pf}_1"] < best[0]:
-                    best = (res[f"{layout}_pdl{pf}_1"], layout, pf)
-            except Exception as exc:
-                res[f"{layout}_pdl{pf}_error"] = repr(exc)[:300]
-                log(f"{layout} PDL prefetch {pf}: {exc!r}"[:300])
-            pdl.set_enabled(False)
-        for (N, K), p in tuned.items():
-            tm.set_plan(N, K, p)
-    # the runner's plans from here on: the fastest layout and prefetch at one row
-    _, layout, pf = best
+        R.setdefault("plans", {})[layout] = tune_plans(torch, fw, (layout,), 0.0)     # fastest at one row
+        by_layout[layout] = dict(tm.plans())
+        for use_pdl in (False, True):
+            pdl.set_enabled(use_pdl)
+            for M in (1, 64):
+                key = f"{layout}{'_pdl' if use_pdl else ''}_{M}"
+                res[key] = graph_ms(torch, ours(M))
+                log(f"{layout} graph{' (PDL)' if use_pdl else ''} M={M}: {res[key]:.2f} ms")
+        pdl.set_enabled(False)
+    # the plans from here on (the profile's runners): the layout fastest at one row
+    layout = min(by_layout, key=lambda lay: res[f"{lay}_1"])
     for (N, K), p in by_layout[layout].items():
-        tm.set_plan(N, K, tm.MatmulPlan(p.BN, p.BK, p.split, p.warps, p.stages, p.layout, max(pf, 0)))
-    res["chosen"] = {"layout": layout, "prefetch": pf, "ms": best[0]}
+        tm.set_plan(N, K, p)
+    res["chosen"] = layout
     (Path(R["out"]) / "plans.json").write_text(json.dumps({f"{N}x{K}": p.__dict__ for (N, K), p in tm.plans().items()}))
-    log(f"chosen: {res['chosen']}")
+    log(f"chosen: {layout}")
 
 
 def run_profile(torch, cfg, fw, R: dict, out: Path) -> None:

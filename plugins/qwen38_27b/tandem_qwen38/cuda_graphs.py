@@ -10,8 +10,9 @@ keeps the sequence length on the host. Every hot step is one graph replay:
                              along the path (every layer in one launch); ``keep=True`` also returns
                              the path's rule rows (``PathRows``) so that ``replay`` can redo it
     replay(rows)             the state advanced along kept rows (taking back pending tokens)
-    prefill(ids)             eager, ``prefill_chunk`` rows at a time: cuBLAS projections, the chunked
-                             gated delta rule, flash attention (lower-right causal) over the cache
+    prefill(ids)             eager, ``prefill_chunk`` rows at a time: cuBLAS projections, the tree conv
+                             kernel over the chunk as a chain, the chunked gated delta rule, flash
+                             attention (lower-right causal) over the cache
 
 A round's inputs (length, positions, the tree's windows, plans and ancestor table) go
 in one pinned host buffer copied to the device without a host sync; the only sync in a
@@ -289,7 +290,6 @@ class CudaRunner:
         if self.widths[0] != 1 or self.widths[-1] > tm.MAX_ROWS:
             raise ValueError(f"widths {self.widths}: need 1 and at most {tm.MAX_ROWS}")
         self.prefill_chunk = int(prefill_chunk)
-        self.chunk_bv = 32          # value columns per program of the chunked rule's scan (measured: 32 beats 16)
         self.device = dev = S.device
         self.length = 0
         c = cfg
@@ -319,7 +319,7 @@ class CudaRunner:
                 self.plans[(int(w.shape[0]), int(w.shape[1]))] = tm.plan_for(int(w.shape[0]), int(w.shape[1]), rows)
         for N, Kd in whole:
             p = tm.plan_for(N, Kd, rows)
-            self.plans[(N, Kd)] = dataclasses.replace(p, split=1) if p.split != 1 else p
+            self.plans[(N, Kd)] = dataclasses.replace(p, split=1)
         split_max = max(p.split for p in self.plans.values())
 
         W = self.widths[-1]
@@ -634,7 +634,7 @@ class CudaRunner:
                 beta = 1.0 / (1.0 + torch.exp(-b))
                 g = -fw.A_log[s].exp() * F.softplus(a + fw.dt_bias[s])
                 o, S = tg.gdn_chunk(q, k, v.reshape(T, self.hv, self.dv), g, beta, self.S[s],
-                                    scale=self.dk ** -0.5, BV=self.chunk_bv)
+                                    scale=self.dk ** -0.5)
                 self.S[s].copy_(S)
                 onorm = torch.empty(T, self.zdim, dtype=x.dtype, device=dev)
                 tf.gated_rms_norm(o, proj[:, self.C:], m.norm, eps, onorm)
