@@ -15,7 +15,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("layout", ["xw", "wx"])
+@pytest.mark.parametrize("layout", ["xw", "wx", "wy"])
 @pytest.mark.parametrize("M", [1, 7, 17, 64, 100])
 def test_skinny_matmul_rows_are_invariant(M, layout):
     from tandem_core.ops import triton_matmul as tm

@@ -155,11 +155,25 @@ def decode_mats(fw) -> list:
     return mats
 
 
-def tune_plans(torch, fw, layouts=("xw", "wx"), weight64: float = 0.5) -> dict:
+def rows_invariant(torch, tm, w, p) -> bool:
+    """Whether plan ``p`` gives each row of ``w``'s product the same bits alone and among 17, 64 and 128 rows (it
+    also proves the plan runs at 128 rows)."""
+    x = torch.randn(128, w.shape[1], device="cuda", dtype=torch.bfloat16)
+
+    def mm(r):
+        y = tm.skinny_matmul(x[:r], w, p)
+        return tm.reduce_parts(y) if y.dim() == 3 else y
+
+    full, one, r17, r64 = mm(128), mm(1), mm(17), mm(64)
+    return bool(torch.equal(one[0], full[0]) and torch.equal(r17[16], full[16]) and torch.equal(r64, full[:64]))
+
+
+def tune_plans(torch, fw, layouts=("xw", "wx", "wy"), weight64: float = 0.5) -> dict:
     """Per weight shape, the plan (layout, tiles, split of K, stages) with the lowest
     ``t(1 row) + weight64 * t(64 rows)``, each time one CUDA graph over every layer's matrix of that shape (what a
     step sees: no launch gaps, no weight in L2). A shape whose output a bf16 consumer reads keeps
-    ``split == 1``. The plan depends on the shape only, so the row invariance holds whatever is chosen."""
+    ``split == 1``. A plan must also give every row the same bits whatever the row count (``rows_invariant``):
+    by construction for ``xw`` and ``wx``, checked for ``wy``; one that does not is refused."""
     from tandem_core.ops import triton_matmul as tm
 
     shapes: dict[tuple[int, int], tuple[list, bool]] = {}
@@ -170,7 +184,8 @@ def tune_plans(torch, fw, layouts=("xw", "wx"), weight64: float = 0.5) -> dict:
     for (N, K), (ws, may_split) in shapes.items():
         cands = []
         for layout, BN, BK, wp, st in (("xw", 64, 128, 4, 4), ("xw", 128, 128, 4, 3), ("wx", 64, 128, 4, 4),
-                                       ("wx", 128, 128, 4, 3), ("wx", 64, 256, 4, 3)):
+                                       ("wx", 128, 128, 4, 3), ("wx", 64, 256, 4, 3), ("wy", 64, 128, 4, 4),
+                                       ("wy", 128, 128, 4, 3), ("wy", 64, 128, 4, 3)):
             if layout not in layouts:
                 continue
             for split in ((1, 2, 4) if may_split else (1,)):
@@ -179,6 +194,10 @@ def tune_plans(torch, fw, layouts=("xw", "wx"), weight64: float = 0.5) -> dict:
         best, best_c, rows = None, None, []
         for p in cands:
             try:
+                if not rows_invariant(torch, tm, ws[0], p):
+                    log(f"plan {p} for {N}x{K}: rows differ with the row count: refused")
+                    rows.append((p.__dict__, "not row-invariant", None))
+                    continue
                 ts = {}
                 for M in (1, 64):
                     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -198,6 +217,37 @@ def tune_plans(torch, fw, layouts=("xw", "wx"), weight64: float = 0.5) -> dict:
         log(f"plan {N}x{K} (x{len(ws)}): {best} {best_ts[1] * 1e3:.1f} us at 1 row ({gbps:.0f} GB/s), "
             f"{best_ts[64] * 1e3:.1f} us at 64")
     return chosen
+
+
+def time_tree(torch, cfg) -> dict:
+    """The Gated DeltaNet tree kernel over every GDN layer (one launch a layer, as in a step), for a 64-node chain
+    and for one node, by warps per program: ``{warps: (ms at 64 nodes, ms at 1)}``."""
+    from tandem_core.ops import triton_gdn as tg
+
+    L, hk, hv, dk, dv = len(cfg.linear_layers), cfg.linear_num_key_heads, cfg.linear_num_value_heads, \
+        cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    C = 2 * hk * dk + hv * dv
+    f32 = dict(device="cuda", dtype=torch.float32)
+    qkv = torch.nn.functional.normalize(torch.randn(L, 64, C, **f32), dim=-1)
+    ab = torch.randn(L, 64, 2 * hv, device="cuda", dtype=torch.bfloat16)
+    A_log, dt_bias = torch.rand(L, hv, **f32), torch.randn(L, hv, **f32) * 0.5
+    S = torch.randn(L, hv, dk, dv, **f32) * 0.01
+    scratch, o = torch.zeros(1, hv, dk, dv, **f32), torch.zeros(64, hv, dv, **f32)
+    out = {}
+    keep = tg.TREE_WARPS
+    for warps in (1, 2, 4):
+        tg.TREE_WARPS = warps
+        ts = []
+        for n in (64, 1):
+            plan = torch.tensor(tg.tree_plan([-1] + list(range(n - 1))).packed(), dtype=torch.int32, device="cuda")
+            nn = torch.tensor([n], dtype=torch.int32, device="cuda")
+            ts.append(graph_ms(torch, lambda: [tg.gdn_tree(qkv[i:i + 1], ab[i:i + 1], 0, hv, A_log[i:i + 1],
+                                                           dt_bias[i:i + 1], S[i:i + 1], scratch, o, plan, nn,
+                                                           write_out=True, final_store=False, scale=dk ** -0.5,
+                                                           num_k_heads=hk) for i in range(L)], 5))
+        out[warps] = tuple(ts)
+    tg.TREE_WARPS = keep
+    return out
 
 
 def time_chunk(torch, cfg) -> dict:
@@ -270,8 +320,15 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
             R["chunk_scan_ms"] = time_chunk(torch, cfg)
             log(f"chunked rule at 4096 tokens, ms by value columns per program: {R['chunk_scan_ms']} (the runner "
                 f"uses gdn_chunk's default, 32)")
+            from tandem_core.ops import triton_gdn as tg
+            R["tree_ms"] = time_tree(torch, cfg)
+            tg.TREE_WARPS = min(R["tree_ms"], key=lambda w: R["tree_ms"][w][0])
+            log(f"tree kernel, {len(cfg.linear_layers)} layers, ms (64 nodes, 1 node) by warps: {R['tree_ms']}; "
+                f"runner uses {tg.TREE_WARPS}")
         run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, prefill_chunk=4096,
                          widths=runner_widths(max_tree))
+        from tandem_core.ops import triton_gdn as tg
+        R["tree_warps"] = tg.TREE_WARPS
         R["widths"] = list(run.widths)
         R["runner_plans"] = {f"{n}x{k}": p.__dict__ for (n, k), p in run.plans.items()}
 
@@ -807,6 +864,15 @@ def report(out: Path) -> str:
                 pl = v["plan"]
                 lines.append(f"| {shp} | {pl.get('layout')} | {pl['BN']} | {pl['BK']} | {pl['split']} | "
                              f"{pl['stages']} | {v['us_1']:.1f} | {v['GBps_1']:,.0f} | {v['us_64']:.1f} |")
+        if E.get("tree_ms"):
+            lines += ["", "Gated DeltaNet tree kernel over the 48 GDN layers (ms at 64 nodes, "
+                      "at 1 node) by warps per program: " + ", ".join(
+                          f"{w}: {v[0]:.3f} / {v[1]:.3f}" for w, v in E["tree_ms"].items()) +
+                      f"; the runner used {E.get('tree_warps')}"]
+        refused = [f"{shp} {c[0]['layout']} {c[0]['BN']}/{c[0]['BK']}/{c[0]['split']}"
+                   for shp, v in E.get("plans", {}).items() for c in v["candidates"] if c[1] == "not row-invariant"]
+        if E.get("plans"):
+            lines += ["", "Plans refused as not row-invariant on the device: " + (", ".join(refused) or "none")]
         if E.get("chunk_scan_ms"):
             lines += ["", "Chunked gated delta rule at 4096 tokens (one layer, ms) by value columns per program: " +
                       ", ".join(f"{k}: {v:.3f}" for k, v in E["chunk_scan_ms"].items())]

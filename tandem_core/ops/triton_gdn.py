@@ -41,6 +41,7 @@ from tandem_core.ops import triton_pdl as pdl
 __all__ = ["kernels", "gdn_tree", "gdn_chunk", "tree_plan", "TreePlan", "CHUNK"]
 
 CHUNK = 64
+TREE_WARPS = 4     # warps per program of the tree kernel (one value for decode, verify and commit alike)
 tl: Any = None
 _K: dict[str, Any] = {}
 
@@ -297,7 +298,8 @@ def gdn_tree(qkv: torch.Tensor, ab: torch.Tensor, col_b: int, col_a: int, A_log:
     kernels()["tree"][grid](qkv, ab, A_log, dt_bias, S, scratch, o, plan, n, int(write_out), int(final_store),
                             col_b, col_a, float(scale), qkv.stride(0), qkv.stride(1), ab.stride(0), ab.stride(1),
                             S.stride(0), o.stride(0), scratch.stride(0) if scratch.dim() == 4 else 0,
-                            0, Hv, G, DK=Dk, DV=Dv, BK=_p2(Dk), BV=BV, NP=NP, num_warps=4, **pdl.launch_kw())
+                            0, Hv, G, DK=Dk, DV=Dv, BK=_p2(Dk), BV=BV, NP=NP, num_warps=TREE_WARPS,
+                            **pdl.launch_kw())
 
 
 def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

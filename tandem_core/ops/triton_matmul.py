@@ -11,7 +11,11 @@ not depend on how many rows are in the call. Here it does not, by construction:
   layout ``"wx"`` (swapped: the weight tile is the MMA's M side) computes ``W x^T`` with
   rows in tiles of a fixed 16 (``BT``), up to 8 tiles sharing each weight tile, so one
   decode row costs the tensor cores a quarter of the ``"xw"`` work. Either way every row
-  goes through the same ``tl.dot`` of the same shape on the same K steps;
+  goes through the same ``tl.dot`` of the same shape on the same K steps. Layout ``"wy"``
+  is ``"wx"`` with one dot as wide as the call's rows (16, 32, 64 or 128 columns) instead
+  of several 16-column ones: there the invariance rests on the tensor cores computing a
+  column the same way whatever the instruction's width, which the device checks
+  (``tests/test_gpu_kernels.py``, and the benchmark's tuner refuses a plan that breaks it);
 - with K split in ``split`` parts, each part writes an fp32 partial
   ``[split, M, N]`` and the consumer adds the parts in index order (``reduce_parts``).
 
@@ -46,7 +50,7 @@ _K: dict[str, Any] = {}
 class MatmulPlan:
     """How one weight shape ``(N, K)`` is multiplied: ``BN`` output columns and ``BK`` of K per step, K cut in
     ``split`` parts of ``k_split`` (a multiple of ``BK``), ``warps``, pipeline ``stages``, the ``layout``
-    (``"xw"`` or ``"wx"``)."""
+    (``"xw"``, ``"wx"`` or ``"wy"``)."""
 
     BN: int = 64
     BK: int = 128
@@ -255,10 +259,11 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan | None = No
     grid = (math.ceil(N / p.BN), split)
     even = ks * split == K and ks % p.BK == 0
     kw = pdl.launch_kw()
-    if p.layout == "wx":
+    if p.layout in ("wx", "wy"):
         mt = 1 if M <= BT else 2 if M <= 2 * BT else 4 if M <= 4 * BT else 8
+        bt, mt = (BT * mt, 1) if p.layout == "wy" else (BT, mt)
         kernels()["mmt"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om,
-                               BT=BT, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=even, OUT_F32=f32,
+                               BT=bt, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=even, OUT_F32=f32,
                                num_warps=p.warps, num_stages=p.stages, **kw)
     else:
         mt = 1 if M <= BM else 2
