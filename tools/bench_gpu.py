@@ -907,8 +907,7 @@ def main() -> None:
     ap.add_argument("--fla", action="store_true", help="the peer with flash-linear-attention importable")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which long phases are skipped")
     ap.add_argument("--no-tune", action="store_true", help="keep the heuristic matmul plans")
-    ap.add_argument("--max-tree", type=int, default=128, help="the widest verify the engine captures (its plans "
-                    "follow it: up to 16 rows the 'wx' layout)")
+    ap.add_argument("--max-tree", type=int, default=128, help="the widest verify the engine captures")
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill phase")
     a = ap.parse_args()
     out = Path(a.out)

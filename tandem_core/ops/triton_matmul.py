@@ -57,7 +57,7 @@ class MatmulPlan:
     split: int = 1
     warps: int = 4
     stages: int = 4
-    layout: str = "wx"
+    layout: str = "wy"
 
     def k_split(self, K: int) -> int:
         return int(math.ceil(K / self.split / self.BK) * self.BK)
@@ -66,20 +66,22 @@ class MatmulPlan:
 _PLANS: dict[tuple[int, int], MatmulPlan] = {}
 
 
-def plan_for(N: int, K: int, rows: int = MAX_ROWS) -> MatmulPlan:
-    """The plan for a weight of shape ``(N, K)`` multiplied by up to ``rows`` rows: a tuned one (``set_plan``) or
-    the heuristic. Up to ``BT`` rows, layout ``"wx"`` (one 16-row tile: one row costs what 16 cost) with 64-column
-    tiles and 4 stages; wider, layout ``"xw"`` (its 64-row tiles stay efficient up to 64 rows and two tiles up to
-    128) with 128-column tiles and 3 stages. K is cut in two when the column tiles alone do not fill the
-    multiprocessors. (Measured on an H200 at the 27B shape, ``tools/bench_gpu.py``: the weight matmuls of a decode
-    step take 12.7 ms in ``"wx"`` and 13.7 ms in ``"xw"``; at 64 rows, 20.4 ms and 14.7 ms.)"""
+def plan_for(N: int, K: int) -> MatmulPlan:
+    """The plan for a weight of shape ``(N, K)``: a tuned one (``set_plan``) or the heuristic: layout ``"wy"``,
+    64-column tiles of 128 K steps, 3 stages, K cut in two while the column tiles leave multiprocessors idle and
+    each part keeps at least 16 steps. (On an H200 at the 27B shape, ``tools/bench_gpu.py`` tuned every weight
+    shape to ``"wy"``: the weight matmuls of a decode step take 12.4 ms at one row, 4.13 TB/s, and 15.1 ms at 64
+    rows; ``"wx"`` 12.7 and 20.4, ``"xw"`` 13.7 and 14.7.)"""
     p = _PLANS.get((N, K))
     if p is not None:
         return p
     BK = 128 if K >= 128 else max(16, 1 << (K - 1).bit_length())
-    layout, BN, stages = ("wx", 64, 4) if rows <= BT else ("xw", 128, 3)
-    split = 2 if math.ceil(N / BN) < _SMS and K // (BK * 2) >= 4 else 1
-    return MatmulPlan(BN, BK, split, 4, stages, layout)
+    BN = 64
+    tiles = math.ceil(N / BN)
+    split = 1
+    while tiles * split < 2 * _SMS and K // (BK * split * 2) >= 16:
+        split *= 2
+    return MatmulPlan(BN, BK, split, 4, 3, "wy")
 
 
 def set_plan(N: int, K: int, plan: MatmulPlan) -> None:

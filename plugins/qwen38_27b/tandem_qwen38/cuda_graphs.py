@@ -306,19 +306,17 @@ class CudaRunner:
         self.freqs = _rope.inv_freq(c.rotary_dim, c.rope_theta, dev)
 
         # matmul plans, one per weight shape for every row count this runner multiplies (decode and verify
-        # alike: the row invariance rests on it), chosen for the widest verify; a projection whose consumer
-        # reads bf16 is not split
+        # alike: the row invariance rests on it); a projection whose consumer reads bf16 is not split
         self.plans: dict[tuple[int, int], Any] = {}
-        rows = self.widths[-1]
         whole: set[tuple[int, int]] = {(int(fw.head.shape[0]), int(fw.head.shape[1]))}
         for ly in fw.layers:
             m = ly.mixer
             for w in ([m.w_in, ly.w_gu] if isinstance(m, GdnW) else [m.w_qkv, ly.w_gu]):
                 whole.add((int(w.shape[0]), int(w.shape[1])))
             for w in (ly.w_down, m.w_out if isinstance(m, GdnW) else m.w_o):
-                self.plans[(int(w.shape[0]), int(w.shape[1]))] = tm.plan_for(int(w.shape[0]), int(w.shape[1]), rows)
+                self.plans[(int(w.shape[0]), int(w.shape[1]))] = tm.plan_for(int(w.shape[0]), int(w.shape[1]))
         for N, Kd in whole:
-            p = tm.plan_for(N, Kd, rows)
+            p = tm.plan_for(N, Kd)
             self.plans[(N, Kd)] = dataclasses.replace(p, split=1)
         split_max = max(p.split for p in self.plans.values())
 
