@@ -4,7 +4,7 @@
 
 - ``bw``: the copy bandwidth (read + write) and the read bandwidth (a sum over 8 GiB of bf16).
 - ``mm``: every weight matmul of a decode step (257 launches) as one CUDA graph at 1 and 64 rows:
-  cuBLAS (``torch.mm``), layouts ``xw`` and ``wx`` with plans tuned per shape at one row
+  cuBLAS (``torch.mm``), layouts ``xw``, ``wx`` and ``wy`` with plans tuned per shape at one row
   (``bench_gpu.tune_plans``), each launched plainly and with programmatic dependent launch (PDL).
   Writes the plans of the faster layout (which the profile then runs) to ``plans.json``.
 - ``profile``: the per-kernel device time (torch profiler, eager) of a decode step, a 64-node
@@ -70,7 +70,7 @@ def run_mm(torch, fw, R: dict) -> None:
         res[f"cublas_{M}"] = graph_ms(torch, cublas(M))
         log(f"cuBLAS graph M={M}: {res[f'cublas_{M}']:.2f} ms")
     by_layout = {}
-    for layout in ("xw", "wx"):
+    for layout in ("xw", "wx", "wy"):
         R.setdefault("plans", {})[layout] = tune_plans(torch, fw, (layout,), 0.0)     # fastest at one row
         by_layout[layout] = dict(tm.plans())
         for use_pdl in (False, True):
