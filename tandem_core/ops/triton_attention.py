@@ -64,14 +64,10 @@ def _build() -> dict[str, Any]:
     globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
 
     @triton.jit
-    def prefix_kernel(q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, HQ, stride_q,
-                      stride_kh, stride_ks, stride_ps, qk_scale,
-                      G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-                      SPLIT: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)
-        kvh = tl.program_id(0)
-        s = tl.program_id(1)
-        mt = tl.program_id(2)
+    def _prefix(kvh, s, mt, q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, HQ, stride_q,
+                stride_kh, stride_ks, stride_ps, qk_scale,
+                G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+                SPLIT: tl.constexpr, TAIL: tl.constexpr):
         n = tl.load(meta_ptr + 1)
         r = mt * BM + tl.arange(0, BM)                      # row = node * G + head in group
         j = r // G
@@ -110,13 +106,9 @@ def _build() -> dict[str, Any]:
             tl.store(acc_ptr + (s * stride_ps + row)[:, None] * D + offs_d[None, :], acc, mask=r_ok[:, None])
 
     @triton.jit
-    def tail_kernel(q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, anc_ptr, m_ptr, l_ptr, acc_ptr, HQ, stride_q,
-                    stride_kh, stride_ks, stride_anc, qk_scale,
-                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TAIL: tl.constexpr,
-                    PDL: tl.constexpr):
-        pdl_wait(PDL)
-        kvh = tl.program_id(0)
-        j = tl.program_id(1)
+    def _tail(kvh, j, q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, anc_ptr, m_ptr, l_ptr, acc_ptr, HQ, stride_q,
+              stride_kh, stride_ks, stride_anc, qk_scale,
+              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TAIL: tl.constexpr):
         L = tl.load(meta_ptr)
         n = tl.load(meta_ptr + 1)
         if j < n:
@@ -152,6 +144,27 @@ def _build() -> dict[str, Any]:
             tl.store(m_ptr + row, m_i, mask=g_ok)
             tl.store(l_ptr + row, l_i, mask=g_ok)
             tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
+
+    globals().update(_prefix=_prefix, _tail=_tail)
+
+    @triton.jit
+    def parts_kernel(q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, anc_ptr, m_ptr, l_ptr, acc_ptr,
+                     tm_ptr, tl_ptr, tacc_ptr, HQ, ROWS, MTILES, stride_q, stride_kh, stride_ks, stride_ps,
+                     stride_anc, qk_scale,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+                     SPLIT: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
+        # one launch for both kinds of partial: programs 0..ROWS-1 of axis 1 are the nodes' tails (first: they
+        # are the longest, so they start first), the rest the prefix splits x row tiles
+        pdl_wait(PDL)
+        kvh = tl.program_id(0)
+        i = tl.program_id(1)
+        if i < ROWS:
+            _tail(kvh, i, q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, anc_ptr, tm_ptr, tl_ptr, tacc_ptr, HQ, stride_q,
+                  stride_kh, stride_ks, stride_anc, qk_scale, G, GP, D, BS, TAIL)
+        else:
+            i = i - ROWS
+            _prefix(kvh, i // MTILES, i % MTILES, q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+                    HQ, stride_q, stride_kh, stride_ks, stride_ps, qk_scale, G, D, BM, BS, SPLIT, TAIL)
 
     @triton.jit
     def combine_kernel(m_ptr, l_ptr, acc_ptr, tm_ptr, tl_ptr, tacc_ptr, meta_ptr, pos_ptr, gate_ptr, out_ptr,
@@ -194,7 +207,7 @@ def _build() -> dict[str, Any]:
             sg = (1.0 / (1.0 + tl.exp(-gt))).to(tl.bfloat16).to(tl.float32)
             tl.store(out_ptr + j * stride_out + h * D + offs_d, (o * sg).to(tl.bfloat16))
 
-    return {"prefix": prefix_kernel, "tail": tail_kernel, "combine": combine_kernel}
+    return {"parts": parts_kernel, "combine": combine_kernel}
 
 
 def kernels() -> dict[str, Any]:
@@ -227,13 +240,11 @@ def tree_attention(q: torch.Tensor, raw: torch.Tensor, K: torch.Tensor, V: torch
     kk = kernels()
     kw = pdl.launch_kw()
     mtiles = math.ceil(rows * G / BM)
-    kk["prefix"][(hkv, scratch.splits, mtiles)](q, K, V, meta, pos, scratch.m, scratch.l, scratch.acc, hq, q.stride(0),
-                                                K.stride(0), K.stride(1), scratch.m.stride(0), qk_scale,
-                                                G=G, D=D, BM=BM, BS=BS, SPLIT=SPLIT, TAIL=TAIL, num_warps=8,
-                                                num_stages=2, **kw)
-    kk["tail"][(hkv, rows)](q, K, V, meta, pos, anc, scratch.tm, scratch.tl, scratch.tacc, hq, q.stride(0),
-                            K.stride(0), K.stride(1), anc.stride(0), qk_scale, G=G, GP=max(16, 1 << (G - 1).bit_length()),
-                            D=D, BS=BS, TAIL=TAIL, num_warps=4, num_stages=2, **kw)
+    kk["parts"][(hkv, rows + scratch.splits * mtiles)](
+        q, K, V, meta, pos, anc, scratch.m, scratch.l, scratch.acc, scratch.tm, scratch.tl, scratch.tacc, hq, rows,
+        mtiles, q.stride(0), K.stride(0), K.stride(1), scratch.m.stride(0), anc.stride(0), qk_scale,
+        G=G, GP=max(16, 1 << (G - 1).bit_length()), D=D, BM=BM, BS=BS, SPLIT=SPLIT, TAIL=TAIL, num_warps=8,
+        num_stages=2, **kw)
     kk["combine"][(rows, hq)](scratch.m, scratch.l, scratch.acc, scratch.tm, scratch.tl, scratch.tacc, meta, pos, raw,
                               out, hq, scratch.m.stride(0), raw.stride(0), out.stride(0), D=D, BS=BS, SPLIT=SPLIT,
                               TAIL=TAIL, NSB=NSB, num_warps=4, **kw)

@@ -46,18 +46,19 @@ def _build() -> dict[str, Any]:
     globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
 
     @triton.jit
-    def add_norm_kernel(x_ptr, parts_ptr, w_ptr, out_ptr, n_parts, H, stride_x, stride_ps, stride_pm,
-                        stride_o, eps, BLOCK: tl.constexpr, PARTS_BF16: tl.constexpr, PDL: tl.constexpr):
+    def add_norm_kernel(x_ptr, parts_ptr, w_ptr, out_ptr, H, stride_x, stride_ps, stride_pm,
+                        stride_o, eps, NP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
-        # one row: x <- bf16(x + bf16(sum_s parts[s])) (n_parts may be 0); out = bf16(x / rms(x) * (1 + w))
+        # one row: x <- bf16(x + bf16(sum_s parts[s])) (NP may be 0); out = bf16(x / rms(x) * (1 + w))
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         ok = offs < H
         w = tl.load(w_ptr + offs, mask=ok, other=0.0)             # first: the store to x below would keep it back
         x = tl.load(x_ptr + r * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-        if n_parts > 0:
+        if NP > 0:
+            # the parts unrolled: every load is in flight at once (a loop would wait on each in turn)
             d = tl.load(parts_ptr + r * stride_pm + offs, mask=ok, other=0.0).to(tl.float32)
-            for s in range(1, n_parts):
+            for s in tl.static_range(1, NP):
                 d += tl.load(parts_ptr + s * stride_ps + r * stride_pm + offs, mask=ok, other=0.0).to(tl.float32)
             x = (x + d.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
             tl.store(x_ptr + r * stride_x + offs, x.to(tl.bfloat16), mask=ok)
@@ -231,13 +232,13 @@ def add_rms_norm_1p(x: torch.Tensor, parts: torch.Tensor | None, w: torch.Tensor
     partials, ``[R, H]`` bf16, or None; ``w: [H]`` fp32 zero-centred; ``out: [R, H]`` bf16."""
     R, H = x.shape
     if parts is None:
-        n_parts, pp, sps, spm, pb = 0, x, 0, 0, True
+        n_parts, pp, sps, spm = 0, x, 0, 0
     elif parts.dim() == 2:
-        n_parts, pp, sps, spm, pb = 1, parts, 0, parts.stride(0), True
+        n_parts, pp, sps, spm = 1, parts, 0, parts.stride(0)
     else:
-        n_parts, pp, sps, spm, pb = parts.shape[0], parts, parts.stride(0), parts.stride(1), False
-    kernels()["add_norm"][(R,)](x, pp, w, out, n_parts, H, x.stride(0), sps, spm, out.stride(0), float(eps),
-                                BLOCK=next_pow2(H), PARTS_BF16=pb, num_warps=8, **pdl.launch_kw())
+        n_parts, pp, sps, spm = parts.shape[0], parts, parts.stride(0), parts.stride(1)
+    kernels()["add_norm"][(R,)](x, pp, w, out, H, x.stride(0), sps, spm, out.stride(0), float(eps),
+                                NP=n_parts, BLOCK=next_pow2(H), num_warps=8, **pdl.launch_kw())
     return out
 
 

@@ -103,10 +103,24 @@ def _build() -> dict[str, Any]:
     pdl_wait = pdl.jit_helpers()["pdl_wait"]
     globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
 
+    @triton.jit
+    def _ld_x(ptrs, mask, GLU: tl.constexpr, UP):
+        # the x tile; with GLU, x = bf16(bf16(silu(gate)) * up) from [gate | up] rows (up UP columns on):
+        # the same arithmetic as triton_fused's silu_mul, so the fused product is the unfused one bit for bit
+        if GLU:
+            g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(ptrs + UP, mask=mask, other=0.0).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(tl.bfloat16).to(tl.float32)
+            return (a * u).to(tl.bfloat16)
+        else:
+            return tl.load(ptrs, mask=mask, other=0.0)
+
+    globals()["_ld_x"] = _ld_x
+
     @triton.jit(do_not_specialize=["M"])
-    def mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om,
+    def mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om, UP,
                   BM: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  EVEN_K: tl.constexpr, OUT_F32: tl.constexpr, PDL: tl.constexpr):
+                  EVEN_K: tl.constexpr, OUT_F32: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
         # one program: BN output columns, one K part, every row (MT tiles of BM rows sharing each weight tile)
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -125,18 +139,18 @@ def _build() -> dict[str, Any]:
         for kr in range(0, tl.cdiv(K_SPLIT, BK)):
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)                          # w: [BN, BK]
-                x0 = tl.load(x_ptrs, mask=m0_ok, other=0.0)                                 # x0: [BM, BK]
+                x0 = _ld_x(x_ptrs, m0_ok, GLU, UP)                                          # x0: [BM, BK]
             else:
                 k_ok = (k_lo + kr * BK + offs_k < K) & (kr * BK + offs_k < K_SPLIT)
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x0 = tl.load(x_ptrs, mask=m0_ok & k_ok[None, :], other=0.0)
+                x0 = _ld_x(x_ptrs, m0_ok & k_ok[None, :], GLU, UP)
             wt = tl.trans(w)                                                              # wt: [BK, BN]
             acc0 = tl.dot(x0, wt, acc0)
             if MT > 1:
                 if EVEN_K:
-                    x1 = tl.load(x_ptrs + BM * stride_xm, mask=m1_ok, other=0.0)
+                    x1 = _ld_x(x_ptrs + BM * stride_xm, m1_ok, GLU, UP)
                 else:
-                    x1 = tl.load(x_ptrs + BM * stride_xm, mask=m1_ok & k_ok[None, :], other=0.0)
+                    x1 = _ld_x(x_ptrs + BM * stride_xm, m1_ok & k_ok[None, :], GLU, UP)
                 acc1 = tl.dot(x1, wt, acc1)
             w_ptrs += BK
             x_ptrs += BK
@@ -152,11 +166,11 @@ def _build() -> dict[str, Any]:
                 tl.store(o_ptrs + BM * stride_om, acc1.to(tl.bfloat16), mask=m1_ok & n_ok[None, :])
 
     @triton.jit
-    def _mmt_step(w, xT_ptrs, t_ok, k_ok, acc, EVEN_K: tl.constexpr):
+    def _mmt_step(w, xT_ptrs, t_ok, k_ok, acc, EVEN_K: tl.constexpr, GLU: tl.constexpr, UP):
         if EVEN_K:
-            xt = tl.load(xT_ptrs, mask=t_ok[None, :], other=0.0)                            # [BK, BT]
+            xt = _ld_x(xT_ptrs, t_ok[None, :], GLU, UP)                                    # [BK, BT]
         else:
-            xt = tl.load(xT_ptrs, mask=t_ok[None, :] & k_ok[:, None], other=0.0)
+            xt = _ld_x(xT_ptrs, t_ok[None, :] & k_ok[:, None], GLU, UP)
         return tl.dot(w, xt, acc)
 
     @triton.jit
@@ -169,9 +183,9 @@ def _build() -> dict[str, Any]:
     globals().update(_mmt_step=_mmt_step, _mmt_store=_mmt_store)
 
     @triton.jit(do_not_specialize=["M"])
-    def mmt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om,
+    def mmt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om, UP,
                    BT: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   EVEN_K: tl.constexpr, OUT_F32: tl.constexpr, PDL: tl.constexpr):
+                   EVEN_K: tl.constexpr, OUT_F32: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
         # one program: BN output columns, one K part, every row: out^T[BN, BT] = W[BN, BK] x^T[BK, BT] for MT
         # tiles of BT rows sharing each weight tile
         pid_n = tl.program_id(0)
@@ -199,17 +213,17 @@ def _build() -> dict[str, Any]:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)                          # w: [BN, BK]
             else:
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc0 = _mmt_step(w, x_ptrs, offs_t < M, k_ok, acc0, EVEN_K)
+            acc0 = _mmt_step(w, x_ptrs, offs_t < M, k_ok, acc0, EVEN_K, GLU, UP)
             if MT > 1:
-                acc1 = _mmt_step(w, x_ptrs + step, BT + offs_t < M, k_ok, acc1, EVEN_K)
+                acc1 = _mmt_step(w, x_ptrs + step, BT + offs_t < M, k_ok, acc1, EVEN_K, GLU, UP)
             if MT > 2:
-                acc2 = _mmt_step(w, x_ptrs + 2 * step, 2 * BT + offs_t < M, k_ok, acc2, EVEN_K)
-                acc3 = _mmt_step(w, x_ptrs + 3 * step, 3 * BT + offs_t < M, k_ok, acc3, EVEN_K)
+                acc2 = _mmt_step(w, x_ptrs + 2 * step, 2 * BT + offs_t < M, k_ok, acc2, EVEN_K, GLU, UP)
+                acc3 = _mmt_step(w, x_ptrs + 3 * step, 3 * BT + offs_t < M, k_ok, acc3, EVEN_K, GLU, UP)
             if MT > 4:
-                acc4 = _mmt_step(w, x_ptrs + 4 * step, 4 * BT + offs_t < M, k_ok, acc4, EVEN_K)
-                acc5 = _mmt_step(w, x_ptrs + 5 * step, 5 * BT + offs_t < M, k_ok, acc5, EVEN_K)
-                acc6 = _mmt_step(w, x_ptrs + 6 * step, 6 * BT + offs_t < M, k_ok, acc6, EVEN_K)
-                acc7 = _mmt_step(w, x_ptrs + 7 * step, 7 * BT + offs_t < M, k_ok, acc7, EVEN_K)
+                acc4 = _mmt_step(w, x_ptrs + 4 * step, 4 * BT + offs_t < M, k_ok, acc4, EVEN_K, GLU, UP)
+                acc5 = _mmt_step(w, x_ptrs + 5 * step, 5 * BT + offs_t < M, k_ok, acc5, EVEN_K, GLU, UP)
+                acc6 = _mmt_step(w, x_ptrs + 6 * step, 6 * BT + offs_t < M, k_ok, acc6, EVEN_K, GLU, UP)
+                acc7 = _mmt_step(w, x_ptrs + 7 * step, 7 * BT + offs_t < M, k_ok, acc7, EVEN_K, GLU, UP)
             w_ptrs += BK
             x_ptrs += BK
         o_ptrs = out_ptr + pid_s * stride_os + offs_t[None, :] * stride_om + offs_n[:, None]   # [BN, BT]
@@ -236,13 +250,19 @@ def kernels() -> dict[str, Any]:
 
 
 def skinny_matmul(x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """``x: [M, K]`` (row stride free, unit column stride), ``w: [N, K]`` contiguous rows.
 
     Returns ``[M, N]`` in bf16 when the plan does not split K, else fp32 partials ``[split, M, N]`` (add them in
-    index order with ``reduce_parts``). ``out`` (that shape and dtype) is written in place when given."""
+    index order with ``reduce_parts``). ``out`` (that shape and dtype) is written in place when given.
+    ``glu``: ``x`` is ``[M, 2K]``, gate then up, and the product is of ``bf16(bf16(silu(gate)) * up)`` (the MLP's
+    activation computed as the tiles are loaded, bit for bit ``triton_fused.silu_mul``'s)."""
     M, K = x.shape
     N = w.shape[0]
+    if glu:
+        if K != 2 * w.shape[1]:
+            raise ValueError(f"skinny_matmul: glu x has {K} columns, not twice the weight's {w.shape[1]}")
+        K = K // 2
     if w.shape[1] != K:
         raise ValueError(f"skinny_matmul: x has {K} columns, the weight {w.shape[1]}")
     if M > MAX_ROWS:
@@ -264,13 +284,13 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan | None = No
     if p.layout in ("wx", "wy"):
         mt = 1 if M <= BT else 2 if M <= 2 * BT else 4 if M <= 4 * BT else 8
         bt, mt = (BT * mt, 1) if p.layout == "wy" else (BT, mt)
-        kernels()["mmt"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om,
-                               BT=bt, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=even, OUT_F32=f32,
+        kernels()["mmt"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om, K,
+                               BT=bt, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=even, OUT_F32=f32, GLU=glu,
                                num_warps=p.warps, num_stages=p.stages, **kw)
     else:
         mt = 1 if M <= BM else 2
-        kernels()["mm"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om,
-                              BM=BM, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=even, OUT_F32=f32,
+        kernels()["mm"][grid](x, w, out, M, N, K, ks, x.stride(0), w.stride(0), stride_os, stride_om, K,
+                              BM=BM, MT=mt, BN=p.BN, BK=p.BK, EVEN_K=even, OUT_F32=f32, GLU=glu,
                               num_warps=p.warps, num_stages=p.stages, **kw)
     return out
 

@@ -328,7 +328,6 @@ class CudaRunner:
         self.parts = torch.zeros(split_max, W, self.H, **f32)
         self.pbuf = torch.zeros(W, self.H, **bf)
         self.gu = torch.zeros(W, 2 * self.I, **bf)
-        self.act = torch.zeros(W, self.I, **bf)
         self.proj = torch.zeros(max(n_gdn, 1), W, self.n_in, **bf)          # kept per layer for the commit
         self.qkvc = torch.zeros(max(n_gdn, 1), W, self.C, **f32)
         self.o = torch.zeros(W, self.hv, self.dv, **f32)
@@ -386,22 +385,21 @@ class CudaRunner:
                 parts = self._mm_parts(self.aout[:W], m.w_o)
             tf.add_rms_norm_1p(x, parts, ly.post_norm, eps, h)
             tm.skinny_matmul(h, ly.w_gu, self._plan(ly.w_gu), out=self.gu[:W])
-            tf.silu_mul(self.gu[:W], self.act[:W])
-            parts = self._mm_parts(self.act[:W], ly.w_down)
+            parts = self._mm_parts(self.gu[:W], ly.w_down, glu=True)       # silu(gate) * up as it loads
         tf.add_rms_norm_1p(x, parts, fw.norm, eps, h)
         tm.skinny_matmul(h, fw.head, self._plan(fw.head), out=self.logits[:W])
         if decode and len(self.fw.A_log):
             tf.conv_commit(self.conv, self.proj[:, :W], meta.d("path"), head[2:3])
 
-    def _mm_parts(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _mm_parts(self, x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> torch.Tensor:
         from tandem_core.ops import triton_matmul as tm
 
         p = self._plan(w)
         M = x.shape[0]
         if p.split == 1:
-            return tm.skinny_matmul(x, w, p, out=self.pbuf[:M])
+            return tm.skinny_matmul(x, w, p, out=self.pbuf[:M], glu=glu)
         out = self.parts[:p.split, :M]
-        tm.skinny_matmul(x, w, p, out=out)
+        tm.skinny_matmul(x, w, p, out=out, glu=glu)
         return out
 
     def _plan(self, w: torch.Tensor) -> Any:
@@ -532,7 +530,7 @@ class CudaRunner:
 
     def workspace_bytes(self) -> int:
         """Bytes of the runner's own buffers (rows, partials, scratch, logits, round inputs)."""
-        ts = [self.x, self.h, self.parts, self.pbuf, self.gu, self.act, self.proj, self.qkvc, self.o,
+        ts = [self.x, self.h, self.parts, self.pbuf, self.gu, self.proj, self.qkvc, self.o,
               self.onorm, self.branch, self.aproj, self.qrot, self.aout, self.logits]
         a = self.ascratch
         ts += [a.m, a.l, a.acc, a.tm, a.tl, a.tacc]
