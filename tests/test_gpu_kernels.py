@@ -29,6 +29,22 @@ def test_skinny_matmul_rows_are_invariant(M, layout):
     assert torch.equal(one[0], y[0])
 
 
+@pytest.mark.parametrize("layout", ["xw", "wy"])
+def test_the_glu_matmul_is_silu_mul_then_the_matmul_bit_for_bit(layout):
+    from tandem_core.ops import triton_fused as tf
+    from tandem_core.ops import triton_matmul as tm
+
+    I = 1024
+    gu = torch.randn(64, 2 * I, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(768, I, device="cuda", dtype=torch.bfloat16)
+    act = tf.silu_mul(gu, torch.empty(64, I, device="cuda", dtype=torch.bfloat16))
+    ref = act.float() - (torch.nn.functional.silu(gu[:, :I].float()).bfloat16().float() * gu[:, I:].float())
+    assert float(ref.abs().max()) < 0.02 * float(act.float().abs().max())
+    plan = tm.MatmulPlan(64, 128, 2, layout=layout)
+    for M in (1, 17, 64):
+        assert torch.equal(tm.skinny_matmul(gu[:M], w, plan, glu=True), tm.skinny_matmul(act[:M], w, plan))
+
+
 def test_gdn_chunk_and_tree_match_the_recurrent_reference():
     from tandem_core.ops import gdn as ref
     from tandem_core.ops import triton_gdn as tg

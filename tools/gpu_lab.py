@@ -1,15 +1,17 @@
 """Kernel lab for the Qwen3.8 CUDA path at the 27B shape: where a step's time goes, and matmul variants.
 
-    python3 tools/gpu_lab.py --out DIR [--parts bw,mm,profile] [--budget S]
+    python3 tools/gpu_lab.py --out DIR [--parts bw,mm,attn,profile] [--pdl]
 
 - ``bw``: the copy bandwidth (read + write) and the read bandwidth (a sum over 8 GiB of bf16).
 - ``mm``: every weight matmul of a decode step (257 launches) as one CUDA graph at 1 and 64 rows:
   cuBLAS (``torch.mm``), layouts ``xw``, ``wx`` and ``wy`` with plans tuned per shape at one row
   (``bench_gpu.tune_plans``), each launched plainly and with programmatic dependent launch (PDL).
   Writes the plans of the faster layout (which the profile then runs) to ``plans.json``.
+- ``attn``: the attention of 16 layers (each its own cache) as one CUDA graph, at 4K and 32K
+  context, 1 and 64 rows, for prefix splits of 64, 128 and 256 positions.
 - ``profile``: the per-kernel device time (torch profiler, eager) of a decode step, a 64-node
   verify and a 4096-token prefill chunk at 4K context, summed by kernel; and the graph replay
-  times of decode and verify 16/64 with PDL off and on.
+  times of decode and verify 16/64 at 4K and 32K (``--pdl``: also with programmatic dependent launch).
 
 Everything goes to ``DIR/lab.json``; the tables are printed last.
 """
@@ -89,7 +91,37 @@ def run_mm(torch, fw, R: dict) -> None:
     log(f"chosen: {layout}")
 
 
-def run_profile(torch, cfg, fw, R: dict, out: Path) -> None:
+def run_attn(torch, cfg, R: dict) -> None:
+    from tandem_core.ops import triton_attention as ta
+
+    hq, hkv, D, n_attn = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, len(cfg.attention_layers)
+    S_max = 32768 + 256
+    K = torch.randn(n_attn, hkv, S_max, D, dtype=torch.bfloat16, device="cuda")
+    V = torch.randn_like(K)
+    res = R.setdefault("attn", {})
+    for W in (1, 64):
+        q = torch.randn(W, hq * D, dtype=torch.bfloat16, device="cuda")
+        raw = torch.randn(W, 2 * hq * D, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(W, hq * D, dtype=torch.bfloat16, device="cuda")
+        anc = torch.tril(torch.arange(W, dtype=torch.int32, device="cuda")[None, :].expand(W, W)).contiguous()
+        for L in (4096, 32768):
+            meta = torch.tensor([L, W], dtype=torch.int32, device="cuda")
+            pos = torch.arange(L, L + W, dtype=torch.int32, device="cuda")
+            for split in (64, 128, 256):
+                sc = ta.AttnScratch(W, hq, D, S_max, "cuda", split=split)
+
+                def body():
+                    for i in range(n_attn):
+                        ta.tree_attention(q, raw, K[i], V[i], meta, pos, anc, sc, out, hq=hq, hkv=hkv, head_dim=D,
+                                          scale=D ** -0.5, rows=W)
+                key = f"rows{W}_ctx{L}_split{split}"
+                res[key] = graph_ms(torch, body)
+                log(f"attention x{n_attn} {key}: {res[key]:.3f} ms")
+    del K, V
+    torch.cuda.empty_cache()
+
+
+def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from tandem_core.ops import triton_pdl as pdl
@@ -108,7 +140,7 @@ def run_profile(torch, cfg, fw, R: dict, out: Path) -> None:
     def ids(n):
         return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
 
-    for use_pdl in (False, True):
+    for use_pdl in ((False, True) if pdl_too else (False,)):
         pdl.set_enabled(use_pdl)
         run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, widths=(1, 16, 64), prefill_chunk=4096,
                          pdl=use_pdl)
@@ -127,15 +159,15 @@ def run_profile(torch, cfg, fw, R: dict, out: Path) -> None:
         run.length = L
         P[f"graph_{key}"] = times
         log(f"graphs ({key}): {times}")
-        if use_pdl:
+        if use_pdl == pdl_too:
             # 32K context: decode and verify 64
             run.prefill(ids(32768 - run.length))
-            L = run.length
-            t32 = statistics.median(timed(torch, lambda: (run.decode(tok[0]), setattr(run, "length", L)), 20))
+            L32 = run.length
+            t32 = statistics.median(timed(torch, lambda: (run.decode(tok[0]), setattr(run, "length", L32)), 20))
             v32 = statistics.median(timed(torch, lambda: run.verify(tok[:64], [-1] + list(range(63))), 10))
-            P["graph_pdl_32k"] = {"decode": t32, "verify64": v32}
-            log(f"32K (pdl): decode {t32:.2f} verify64 {v32:.2f}")
-            run.length = 4096
+            P[f"graph_{key}_32k"] = {"decode": t32, "verify64": v32}
+            log(f"32K ({key}): decode {t32:.2f} verify64 {v32:.2f}")
+            run.length = L
         if not use_pdl:
             # eager kernels, one step each, under the profiler
             def step_decode():
@@ -185,7 +217,8 @@ def run_profile(torch, cfg, fw, R: dict, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--parts", default="bw,mm,profile")
+    ap.add_argument("--parts", default="bw,mm,attn,profile")
+    ap.add_argument("--pdl", action="store_true", help="profile: graphs with PDL as well")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -205,12 +238,15 @@ def main() -> None:
         fw = random_weights(cfg, torch)
         torch.cuda.synchronize()
         R["decode_read_GB"] = (fw.nbytes - fw.embed.numel() * 2) / 1e9
+    if "attn" in parts:
+        with phase(R, "attn"):
+            run_attn(torch, cfg, R)
     if "mm" in parts:
         with phase(R, "mm"):
             run_mm(torch, fw, R)
     if "profile" in parts:
         with phase(R, "profile"):
-            run_profile(torch, cfg, fw, R, a.out)
+            run_profile(torch, cfg, fw, R, a.out, a.pdl)
     (a.out / "lab.json").write_text(json.dumps(R, indent=1, default=str))
     print(json.dumps({k: v for k, v in R.items() if k not in ("plans", "profile")}, indent=1, default=str))
     if "errors" in R:

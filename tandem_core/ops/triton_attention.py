@@ -38,20 +38,21 @@ import torch
 
 from tandem_core.ops import triton_pdl as pdl
 
-__all__ = ["kernels", "tree_attention", "AttnScratch", "BS", "SPLIT", "TAIL", "n_splits"]
+__all__ = ["kernels", "tree_attention", "AttnScratch", "BS", "SPLIT", "TAIL", "n_splits", "COMBINE_BD"]
 
 BS = 64        # key block
 SPLIT = 256    # positions per prefix split (a multiple of BS)
 TAIL = 128     # positions before the row's block that go to the tail (>= the deepest tree)
 BM = 64        # prefix rows per tile
 NSB = 32       # splits the combine reads at a time
+COMBINE_BD = 64  # head columns per combine program
 
 tl: Any = None
 _K: dict[str, Any] = {}
 
 
-def n_splits(max_positions: int) -> int:
-    return max(1, math.ceil(max_positions / SPLIT))
+def n_splits(max_positions: int, split: int = SPLIT) -> int:
+    return max(1, math.ceil(max_positions / split))
 
 
 def _build() -> dict[str, Any]:
@@ -169,20 +170,21 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def combine_kernel(m_ptr, l_ptr, acc_ptr, tm_ptr, tl_ptr, tacc_ptr, meta_ptr, pos_ptr, gate_ptr, out_ptr,
                        HQ, stride_ps, stride_gate, stride_out,
-                       D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, TAIL: tl.constexpr,
-                       NSB: tl.constexpr, PDL: tl.constexpr):
-        # per (node, query head): the global max over the splits and the tail first, then every part scaled
-        # to it and summed, NSB splits at a time (a fixed order for a given position: row-invariant)
+                       D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
+                       TAIL: tl.constexpr, NSB: tl.constexpr, PDL: tl.constexpr):
+        # per (node, query head, BD of the head's D columns): the global max over the splits and the tail
+        # first, then every part scaled to it and summed, NSB splits at a time (a fixed order for a given
+        # position: row-invariant)
         pdl_wait(PDL)
         j = tl.program_id(0)
         h = tl.program_id(1)
+        offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
         n = tl.load(meta_ptr + 1)
         if j < n:
             p = tl.load(pos_ptr + j)
             ts = tl.maximum((p // BS) * BS - TAIL, 0)
             ns = tl.cdiv(ts, SPLIT)
             row = j * HQ + h
-            offs_d = tl.arange(0, D)
             sb = tl.arange(0, NSB)
             mt = tl.load(tm_ptr + row)                        # the tail holds position p: finite
             mx = mt
@@ -199,7 +201,7 @@ def _build() -> dict[str, Any]:
                 ws = tl.where(ok, tl.exp2(ms - mx), 0.0)
                 ls = tl.load(l_ptr + (s0 + sb) * stride_ps + row, mask=ok, other=0.0)
                 accs = tl.load(acc_ptr + ((s0 + sb) * stride_ps + row)[:, None] * D + offs_d[None, :],
-                               mask=ok[:, None], other=0.0)                                  # [NSB, D]
+                               mask=ok[:, None], other=0.0)                                  # [NSB, BD]
                 l += tl.sum(ls * ws, 0)
                 acc += tl.sum(accs * ws[:, None], 0)
             o = (acc / l).to(tl.bfloat16).to(tl.float32)
@@ -217,11 +219,17 @@ def kernels() -> dict[str, Any]:
 
 
 class AttnScratch:
-    """The partials of one verify width: ``rows`` nodes x ``hq`` heads, ``splits`` prefix splits, head dim ``D``."""
+    """The partials of up to ``rows`` nodes x ``hq`` heads over ``max_positions`` positions, head dim ``D``: the
+    prefix cut in splits of ``split`` positions (a multiple of ``BS``; one value for every call on this scratch,
+    decode and verify alike: a row's sum order rests on it)."""
 
-    def __init__(self, rows: int, hq: int, D: int, splits: int, device: torch.device) -> None:
+    def __init__(self, rows: int, hq: int, D: int, max_positions: int, device: torch.device,
+                 split: int = SPLIT) -> None:
+        if split <= 0 or split % BS:
+            raise ValueError(f"AttnScratch: split {split} is not a positive multiple of the key block {BS}")
         f32 = dict(dtype=torch.float32, device=device)
-        self.rows, self.splits = rows, splits
+        splits = n_splits(max_positions, split)
+        self.rows, self.splits, self.split = rows, splits, split
         self.m = torch.empty(splits, rows * hq, **f32)
         self.l = torch.empty(splits, rows * hq, **f32)
         self.acc = torch.empty(splits, rows * hq, D, **f32)
@@ -243,9 +251,10 @@ def tree_attention(q: torch.Tensor, raw: torch.Tensor, K: torch.Tensor, V: torch
     kk["parts"][(hkv, rows + scratch.splits * mtiles)](
         q, K, V, meta, pos, anc, scratch.m, scratch.l, scratch.acc, scratch.tm, scratch.tl, scratch.tacc, hq, rows,
         mtiles, q.stride(0), K.stride(0), K.stride(1), scratch.m.stride(0), anc.stride(0), qk_scale,
-        G=G, GP=max(16, 1 << (G - 1).bit_length()), D=D, BM=BM, BS=BS, SPLIT=SPLIT, TAIL=TAIL, num_warps=8,
-        num_stages=2, **kw)
-    kk["combine"][(rows, hq)](scratch.m, scratch.l, scratch.acc, scratch.tm, scratch.tl, scratch.tacc, meta, pos, raw,
-                              out, hq, scratch.m.stride(0), raw.stride(0), out.stride(0), D=D, BS=BS, SPLIT=SPLIT,
-                              TAIL=TAIL, NSB=NSB, num_warps=4, **kw)
+        G=G, GP=max(16, 1 << (G - 1).bit_length()), D=D, BM=BM, BS=BS, SPLIT=scratch.split, TAIL=TAIL,
+        num_warps=8, num_stages=2, **kw)
+    BD = min(D, COMBINE_BD)
+    kk["combine"][(rows, hq, D // BD)](scratch.m, scratch.l, scratch.acc, scratch.tm, scratch.tl, scratch.tacc, meta,
+                                       pos, raw, out, hq, scratch.m.stride(0), raw.stride(0), out.stride(0), D=D,
+                                       BD=BD, BS=BS, SPLIT=scratch.split, TAIL=TAIL, NSB=NSB, num_warps=4, **kw)
     return out

@@ -273,7 +273,7 @@ class CudaRunner:
 
     def __init__(self, cfg: Qwen38Config, fw: FusedWeights, S: torch.Tensor, conv: torch.Tensor,
                  K: torch.Tensor, V: torch.Tensor, *, max_context: int, widths: Sequence[int] = WIDTHS,
-                 prefill_chunk: int = 4096, pdl: bool | None = None) -> None:
+                 prefill_chunk: int = 4096, pdl: bool | None = None, attn_split: int | None = None) -> None:
         from tandem_core.ops import rope as _rope
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_matmul as tm
@@ -336,7 +336,7 @@ class CudaRunner:
         self.aproj = torch.zeros(W, 2 * self.hq * self.D + 2 * self.hkv * self.D, **bf)
         self.qrot = torch.zeros(W, self.hq * self.D, **bf)
         self.aout = torch.zeros(W, self.hq * self.D, **bf)
-        self.ascratch = ta.AttnScratch(W, self.hq, self.D, ta.n_splits(self.max_context), dev)
+        self.ascratch = ta.AttnScratch(W, self.hq, self.D, self.max_context, dev, split=attn_split or ta.SPLIT)
         self.logits = torch.zeros(W, c.vocab_size, **bf)
         self.metas = {w: _Meta(w, self.kw, dev) for w in self.widths}
         self.decode_meta = _Meta(1, self.kw, dev)
