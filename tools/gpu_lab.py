@@ -140,14 +140,15 @@ def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> No
     def ids(n):
         return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
 
-    for use_pdl in ((False, True) if pdl_too else (False,)):
-        pdl.set_enabled(use_pdl)
-        run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, widths=(1, 16, 64), prefill_chunk=4096,
-                         pdl=use_pdl)
+    variants = [("fused", dict(fused=True, pdl=False)), ("unfused", dict(fused=False, pdl=False))]
+    if pdl_too:
+        variants.append(("fused_pdl", dict(fused=True, pdl=True)))
+    for key, kw in variants:
+        pdl.set_enabled(kw["pdl"])
+        run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, widths=(1, 16, 64), prefill_chunk=4096, **kw)
         run.reset()
         run.prefill(ids(4096))
         run.capture()
-        key = "pdl" if use_pdl else "plain"
         L = run.length
         tok = ids(64)
         times = {}
@@ -159,7 +160,7 @@ def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> No
         run.length = L
         P[f"graph_{key}"] = times
         log(f"graphs ({key}): {times}")
-        if use_pdl == pdl_too:
+        if key != "unfused":
             # 32K context: decode and verify 64
             run.prefill(ids(32768 - run.length))
             L32 = run.length
@@ -168,7 +169,7 @@ def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> No
             P[f"graph_{key}_32k"] = {"decode": t32, "verify64": v32}
             log(f"32K ({key}): decode {t32:.2f} verify64 {v32:.2f}")
             run.length = L
-        if not use_pdl:
+        if key == "fused":
             # eager kernels, one step each, under the profiler
             def step_decode():
                 m = run.decode_meta
@@ -205,9 +206,9 @@ def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> No
                     a[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
                 tot = sum(v[1] for v in agg.values())
                 rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
-                P[name] = {"total_us": tot, "kernels": [(k, v[0], round(v[1], 1)) for k, v in rows[:30]]}
+                P[f"{name}_{key}"] = {"total_us": tot, "kernels": [(k, v[0], round(v[1], 1)) for k, v in rows[:30]]}
                 log(f"profile {name}: {tot / 1e3:.2f} ms of kernels in {sum(v[0] for v in agg.values())} launches")
-                for k, c, us in P[name]["kernels"][:14]:
+                for k, c, us in P[f"{name}_{key}"]["kernels"][:14]:
                     log(f"   {us / 1e3:8.3f} ms {c:5d}x  {k}")
         run.graphs.clear()
         torch.cuda.empty_cache()

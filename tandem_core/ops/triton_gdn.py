@@ -43,6 +43,12 @@ __all__ = ["kernels", "gdn_tree", "gdn_chunk", "tree_plan", "TreePlan", "CHUNK"]
 CHUNK = 64
 TREE_WARPS = 1     # warps per program of the tree kernel, one value for decode, verify and commit alike (H200, 48
                    # layers at 64 nodes: 1 warp 2.72 ms, 2 warps 3.52, 4 warps 3.83)
+SCAN_BV = 32       # gdn_chunk's launch defaults: value columns, warps, pipeline stages of a state-kernel program;
+SCAN_WARPS = 4     # value columns and warps of an output-kernel program; warps of a chunk-solve program
+SCAN_STAGES = 2
+OUT_BV = 64
+OUT_WARPS = 4
+PREP_WARPS = 4
 tl: Any = None
 _K: dict[str, Any] = {}
 
@@ -137,102 +143,132 @@ def _build() -> dict[str, Any]:
             tl.store(S_base + s_off, St, mask=kv_ok)
 
     @triton.jit
-    def chunk_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, kc_ptr, qin_ptr, kend_ptr, qk_ptr, dec_ptr,
-                          T, HV, G, scale, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                          BVF: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, kn_ptr, c_ptr, T, TP, G,
+                          stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
+                          stride_b_t, stride_b_h,
+                          DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, DVP: tl.constexpr,
+                          C: tl.constexpr, PREC: tl.constexpr):
         # one (value head h, chunk n), everything that does not need the running state:
         #   c = cumsum(g); A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i); Tinv = (I + A)^-1
-        #   W = Tinv (beta v); Kc = Tinv (beta exp(c) k); q_in = scale q exp(c); k_end = k exp(c_last - c)
-        #   qk = scale (q k^T) exp(c_i - c_j) (j <= i); dec = exp(c_last)
-        # q, k: [T, Hk, DK] fp32, v: [T, HV, DV] fp32, g, beta: [T, HV] fp32; outputs [HV, T, .] and dec [HV, N]
+        #   W = Tinv (beta v) -> w;  -Kc = -Tinv (beta exp(c) k) -> kn;  c -> c
+        # k: [T, Hk, DK] (rows strided), v: [T, HV, DV], g, beta: [T, HV], any float dtype; w: [HV, TP, DVP],
+        # kn: [HV, TP, BK], c: [HV, TP] fp32, TP = the chunks' rows (rows past T: g = beta = 0, so w = kn = 0)
         h = tl.program_id(0)
         nc = tl.program_id(1)
         hk = h // G
-        HK = HV // G
-        t = nc * C + tl.arange(0, C)
+        ri = tl.arange(0, C)
+        t = nc * C + ri
         t_ok = t < T
         offs_k = tl.arange(0, BK)
-        offs_v = tl.arange(0, BVF)
-        tk_ok = t_ok[:, None] & (offs_k[None, :] < DK)
-        kk = tl.load(k_ptr + t[:, None] * (HK * DK) + hk * DK + offs_k[None, :], mask=tk_ok, other=0.0)  # [C, BK]
-        g = tl.load(g_ptr + t * HV + h, mask=t_ok, other=0.0)
-        beta = tl.load(beta_ptr + t * HV + h, mask=t_ok, other=0.0)
+        offs_v = tl.arange(0, DVP)
+        g = tl.load(g_ptr + t * stride_g_t + h * stride_g_h, mask=t_ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_b_t + h * stride_b_h, mask=t_ok, other=0.0).to(tl.float32)
         c = tl.cumsum(g, 0)                                                                  # [C]
-        c_last = tl.sum(tl.where(t == tl.minimum(nc * C + C, T) - 1, c, 0.0), 0)
-        ri = tl.arange(0, C)
+        tl.store(c_ptr + h * TP + t, c)
+        kk = tl.load(k_ptr + t[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
+                     mask=t_ok[:, None] & (offs_k < DK)[None, :], other=0.0).to(tl.float32)     # [C, BK]
         lower = ri[:, None] > ri[None, :]
         rel = tl.exp(tl.where(lower, c[:, None] - c[None, :], -float("inf")))
-        kkt = tl.dot(kk, tl.trans(kk), input_precision=PREC)                                  # [C, C]
-        A = tl.where(lower, beta[:, None] * kkt * rel, 0.0)
-        # block-diagonal part D (16x16 blocks), inverted by forward substitution on all blocks at once
-        blk = (ri[:, None] // 16) == (ri[None, :] // 16)
-        Ad = tl.where(blk, A, 0.0)
-        eye = tl.where(ri[:, None] == ri[None, :], 1.0, 0.0)
-        X = eye
+        A = beta[:, None] * tl.dot(kk, tl.trans(kk), input_precision=PREC) * rel             # [C, C], strictly lower
+        # the four 16x16 diagonal blocks of A as [4, 16, 16], inverted (I + L)^-1 by forward substitution in fp32
+        NB: tl.constexpr = C // 16
+        bi = tl.arange(0, NB)
+        same = bi[:, None, None, None] == bi[None, None, :, None]                          # [NB, 1, NB, 1]
+        L3 = tl.sum(tl.where(same, tl.reshape(A, (NB, 16, NB, 16)), 0.0), axis=2)           # [NB, 16, 16]
+        i16 = tl.arange(0, 16)
+        r3 = i16[None, :, None]
+        X3 = tl.where(r3 == i16[None, None, :], 1.0, 0.0) + tl.zeros((NB, 16, 16), tl.float32)
         for s in tl.static_range(1, 16):
-            # rows with (row % 16) == s: X[r, :] = e_r - sum_{j<r in block} A[r, j] X[j, :]
-            sel = (ri % 16) == s
-            upd = eye - tl.dot(Ad, X, input_precision=PREC)
-            X = tl.where(sel[:, None], upd, X)
-        # (D + N)^-1 = (I - M + M^2 - M^3) D^-1 with M = D^-1 N (N strictly block-lower: M^4 = 0)
-        Nb = A - Ad
-        M1 = tl.dot(X, Nb, input_precision=PREC)
-        M2 = tl.dot(M1, M1, input_precision=PREC)
-        M3 = tl.dot(M2, M1, input_precision=PREC)
-        Tinv = tl.dot(eye - M1 + M2 - M3, X, input_precision=PREC)
-        out_k = h * T * DK + t[:, None] * DK + offs_k[None, :]
-        Kc = tl.dot(Tinv, kk * (beta * tl.exp(c))[:, None], input_precision=PREC)
-        tl.store(kc_ptr + out_k, Kc, mask=tk_ok)
-        tl.store(kend_ptr + out_k, kk * tl.where(t_ok, tl.exp(c_last - c), 0.0)[:, None], mask=tk_ok)
-        vv = tl.load(v_ptr + t[:, None] * (HV * DV) + h * DV + offs_v[None, :],
-                     mask=t_ok[:, None] & (offs_v[None, :] < DV), other=0.0)               # [C, BVF]
+            # row s of every block: X[s, :] = e_s - sum_{j<s} L[s, j] X[j, :]
+            Ls = tl.sum(tl.where(r3 == s, L3, 0.0), axis=1)                                 # [NB, 16]
+            X3 = tl.where(r3 == s, X3 - tl.sum(Ls[:, :, None] * X3, axis=1)[:, None, :], X3)
+        Xd = tl.reshape(tl.where(same, X3[:, :, None, :], 0.0), (C, C))                     # D^-1, block diagonal
+        # (I + A)^-1 = (I + M)^-1 D^-1 = (I - M + M^2 - M^3) D^-1, M = D^-1 N (N strictly block-lower: M^4 = 0)
+        eye = tl.where(ri[:, None] == ri[None, :], 1.0, 0.0)
+        M = tl.dot(Xd, tl.where((ri[:, None] // 16) > (ri[None, :] // 16), A, 0.0), input_precision=PREC)
+        P = eye - M
+        P = eye - tl.dot(M, P, input_precision=PREC)
+        P = eye - tl.dot(M, P, input_precision=PREC)
+        Tinv = tl.dot(P, Xd, input_precision=PREC)
+        rows = h * TP + t
+        vv = tl.load(v_ptr + t[:, None] * stride_v_t + h * stride_v_h + offs_v[None, :],
+                     mask=t_ok[:, None] & (offs_v < DV)[None, :], other=0.0).to(tl.float32)     # [C, DVP]
         W = tl.dot(Tinv, vv * beta[:, None], input_precision=PREC)
-        tl.store(w_ptr + h * T * DV + t[:, None] * DV + offs_v[None, :], W,
-                 mask=t_ok[:, None] & (offs_v[None, :] < DV))
-        q = tl.load(q_ptr + t[:, None] * (HK * DK) + hk * DK + offs_k[None, :], mask=tk_ok, other=0.0) * scale
-        tl.store(qin_ptr + out_k, q * tl.exp(c)[:, None], mask=tk_ok)
-        causal = ri[:, None] >= ri[None, :]
-        qk = tl.dot(q, tl.trans(kk), input_precision=PREC) * tl.exp(tl.where(causal, c[:, None] - c[None, :],
-                                                                                -float("inf")))
-        tl.store(qk_ptr + h * T * C + t[:, None] * C + ri[None, :], qk, mask=t_ok[:, None])
-        tl.store(dec_ptr + h * tl.cdiv(T, C) + nc, tl.exp(c_last))
+        tl.store(w_ptr + rows[:, None] * DVP + offs_v[None, :], W)
+        Kn = tl.dot(Tinv, kk * (-beta * tl.exp(c))[:, None], input_precision=PREC)
+        tl.store(kn_ptr + rows[:, None] * BK + offs_k[None, :], Kn)
 
     @triton.jit
-    def chunk_scan_kernel(w_ptr, kc_ptr, qin_ptr, kend_ptr, qk_ptr, dec_ptr, S_ptr, o_ptr, T, HV,
-                          DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          C: tl.constexpr, PREC: tl.constexpr):
-        # one (value head h, BV value columns): the chunks in order, S[:, cols] in registers:
-        #   U = W - Kc S;  o = q_in S + qk U;  S <- dec S + k_end^T U
-        h = tl.program_id(0)
-        vb = tl.program_id(1)
+    def chunk_state_kernel(k_ptr, w_ptr, kn_ptr, c_ptr, s0_ptr, sc_ptr, s1_ptr, T, TP, NCH, G,
+                           stride_k_t, stride_k_h, stride_s_h, stride_s_k, stride_s_v,
+                           DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, DVP: tl.constexpr,
+                           BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+        # one (BV value columns, value head h): the chunks in order, S[:, cols] in registers; per chunk
+        #   sc <- S (the chunk's starting state);  U = W - Kc S -> w (in place);
+        #   S <- exp(c_last) S + (exp(c_last - c) k)^T U
+        # s0: [HV, DK, DV] (strided, any float dtype); sc: [HV, NCH, BK, DVP] fp32; s1: [HV, DK, DV] fp32
+        vb = tl.program_id(0)
+        h = tl.program_id(1)
+        hk = h // G
+        ri = tl.arange(0, C)
         offs_k = tl.arange(0, BK)
         offs_v = vb * BV + tl.arange(0, BV)
-        k_ok = offs_k < DK
-        v_ok = offs_v < DV
-        S_base = S_ptr + h * DK * DV
-        S = tl.load(S_base + offs_k[:, None] * DV + offs_v[None, :], mask=k_ok[:, None] & v_ok[None, :],
-                    other=0.0)                                                               # [BK, BV]
-        ri = tl.arange(0, C)
-        n_chunks = tl.cdiv(T, C)
-        for nc in range(0, n_chunks):
+        kv_ok = (offs_k < DK)[:, None] & (offs_v < DV)[None, :]
+        S = tl.load(s0_ptr + h * stride_s_h + offs_k[:, None] * stride_s_k + offs_v[None, :] * stride_s_v,
+                    mask=kv_ok, other=0.0).to(tl.float32)                                   # [BK, BV]
+        sc_off = offs_k[:, None] * DVP + offs_v[None, :]
+        for nc in range(0, NCH):
             t = nc * C + ri
-            t_ok = t < T
-            tk = h * T * DK + t[:, None] * DK + offs_k[None, :]
-            tk_ok = t_ok[:, None] & k_ok[None, :]
-            tv = h * T * DV + t[:, None] * DV + offs_v[None, :]
-            tv_ok = t_ok[:, None] & v_ok[None, :]
-            Kc = tl.load(kc_ptr + tk, mask=tk_ok, other=0.0)                                  # [C, BK]
-            U = tl.load(w_ptr + tv, mask=tv_ok, other=0.0) - tl.dot(Kc, S, input_precision=PREC)   # [C, BV]
-            qin = tl.load(qin_ptr + tk, mask=tk_ok, other=0.0)
-            o = tl.dot(qin, S, input_precision=PREC)
-            qk = tl.load(qk_ptr + h * T * C + t[:, None] * C + ri[None, :], mask=t_ok[:, None], other=0.0)
-            o = o + tl.dot(qk, U, input_precision=PREC)
-            tl.store(o_ptr + t[:, None] * (HV * DV) + h * DV + offs_v[None, :], o, mask=tv_ok)
-            kend = tl.load(kend_ptr + tk, mask=tk_ok, other=0.0)
-            S = S * tl.load(dec_ptr + h * n_chunks + nc) + tl.dot(tl.trans(kend), U, input_precision=PREC)
-        tl.store(S_base + offs_k[:, None] * DV + offs_v[None, :], S, mask=k_ok[:, None] & v_ok[None, :])
+            rows = h * TP + t
+            tl.store(sc_ptr + (h * NCH + nc) * (BK * DVP) + sc_off, S)
+            kn = tl.load(kn_ptr + rows[:, None] * BK + offs_k[None, :])                      # [C, BK]
+            wu = w_ptr + rows[:, None] * DVP + offs_v[None, :]
+            U = tl.dot(kn, S, acc=tl.load(wu), input_precision=PREC)                         # [C, BV]
+            tl.store(wu, U)
+            kk = tl.load(k_ptr + t[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
+                         mask=(t < T)[:, None] & (offs_k < DK)[None, :], other=0.0).to(tl.float32)
+            cc = tl.load(c_ptr + rows)
+            c_last = tl.load(c_ptr + h * TP + nc * C + C - 1)
+            S = tl.dot(tl.trans(kk), U * tl.exp(c_last - cc)[:, None], acc=S * tl.exp(c_last),
+                       input_precision=PREC)
+        tl.store(s1_ptr + h * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :], S, mask=kv_ok)
 
-    return {"tree": tree_kernel, "chunk_prep": chunk_prep_kernel, "chunk_scan": chunk_scan_kernel}
+    @triton.jit
+    def chunk_out_kernel(q_ptr, k_ptr, u_ptr, c_ptr, sc_ptr, o_ptr, T, TP, NCH, G, HV, scale,
+                         stride_q_t, stride_q_h, stride_k_t, stride_k_h,
+                         DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, DVP: tl.constexpr,
+                         BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+        # one (value head h, chunk n), all chunks at once: o = scale exp(c) q Sc + (scale (q k^T) exp(c_i - c_j),
+        # j <= i) U, BV value columns at a time; o: [T, HV, DV] fp32
+        h = tl.program_id(0)
+        nc = tl.program_id(1)
+        hk = h // G
+        ri = tl.arange(0, C)
+        t = nc * C + ri
+        t_ok = t < T
+        offs_k = tl.arange(0, BK)
+        tk_ok = t_ok[:, None] & (offs_k < DK)[None, :]
+        q = tl.load(q_ptr + t[:, None] * stride_q_t + hk * stride_q_h + offs_k[None, :], mask=tk_ok,
+                    other=0.0).to(tl.float32)                                               # [C, BK]
+        kk = tl.load(k_ptr + t[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :], mask=tk_ok,
+                     other=0.0).to(tl.float32)
+        cc = tl.load(c_ptr + h * TP + t)
+        causal = ri[:, None] >= ri[None, :]
+        qk = tl.dot(q, tl.trans(kk), input_precision=PREC) * (
+            scale * tl.exp(tl.where(causal, cc[:, None] - cc[None, :], -float("inf"))))      # [C, C]
+        qs = q * (scale * tl.exp(cc))[:, None]
+        rows = h * TP + t
+        sc_base = sc_ptr + (h * NCH + nc) * (BK * DVP)
+        for vb in range(0, DVP // BV):
+            offs_v = vb * BV + tl.arange(0, BV)
+            S = tl.load(sc_base + offs_k[:, None] * DVP + offs_v[None, :])                  # [BK, BV]
+            U = tl.load(u_ptr + rows[:, None] * DVP + offs_v[None, :])                      # [C, BV]
+            o = tl.dot(qk, U, acc=tl.dot(qs, S, input_precision=PREC), input_precision=PREC)
+            tl.store(o_ptr + t[:, None] * (HV * DV) + h * DV + offs_v[None, :], o,
+                     mask=t_ok[:, None] & (offs_v < DV)[None, :])
+
+    return {"tree": tree_kernel, "chunk_prep": chunk_prep_kernel, "chunk_state": chunk_state_kernel,
+            "chunk_out": chunk_out_kernel}
 
 
 def kernels() -> dict[str, Any]:
@@ -303,33 +339,54 @@ def gdn_tree(qkv: torch.Tensor, ab: torch.Tensor, col_b: int, col_a: int, A_log:
                             **pdl.launch_kw())
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dimension is contiguous (any float dtype: the kernels load and widen it), else a
+    copy that is."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor, *, scale: float, chunk: int = CHUNK, precision: str = "tf32",
-              BV: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+              BV: int = SCAN_BV, scan_warps: int = SCAN_WARPS, scan_stages: int = SCAN_STAGES,
+              out_bv: int = OUT_BV, out_warps: int = OUT_WARPS,
+              prep_warps: int = PREP_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference ``gdn_chunk``'s contract on CUDA: ``q, k: [T, Hk, Dk]``, ``v: [T, Hv, Dv]``, ``g, beta:
-    [T, Hv]``, ``state: [Hv, Dk, Dv]`` fp32 -> ``(o [T, Hv, Dv] fp32, new_state [Hv, Dk, Dv] fp32)``; nothing
-    mutated. Chunks are always 64 tokens here (``chunk`` is the reference's knob and does not change the result
-    beyond fp32 rounding)."""
+    [T, Hv]``, ``state: [Hv, Dk, Dv]`` -> ``(o [T, Hv, Dv] fp32, new_state [Hv, Dk, Dv] fp32)``; nothing
+    mutated. Inputs of any float dtype and any strides are read in place (a copy only where a last dimension is
+    not contiguous), e.g. views of the engine's ``[T, C]`` fp32 rows. Chunks are always 64 tokens here
+    (``chunk`` is the reference's knob and does not change the result beyond fp32 rounding).
+
+    Knobs (speed only): ``BV``, ``scan_warps``, ``scan_stages``: value columns, warps and pipeline stages of a
+    program of the sequential state kernel; ``out_bv``, ``out_warps``: the output kernel's; ``prep_warps``: the
+    chunk solve's; ``precision``: the dots' ``input_precision``."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     G = Hv // Hk
     dev = q.device
-    q, k, v = (x.float().contiguous() for x in (q, k, v))
-    g, beta = g.float().contiguous(), beta.float().contiguous()
-    S = state.float().contiguous().clone()
+    q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
     C = CHUNK
     n_chunks = math.ceil(T / C)
+    TP = n_chunks * C
+    BK, DVP = max(16, _p2(Dk)), max(16, _p2(Dv))
     f32 = dict(dtype=torch.float32, device=dev)
-    W = torch.empty(Hv, T, Dv, **f32)
-    Kc, q_in, k_end = (torch.empty(Hv, T, Dk, **f32) for _ in range(3))
-    qk = torch.empty(Hv, T, C, **f32)
-    dec = torch.empty(Hv, n_chunks, **f32)
+    W = torch.empty(Hv, TP, DVP, **f32)                # W, then U in place
+    Kn = torch.empty(Hv, TP, BK, **f32)
+    c = torch.empty(Hv, TP, **f32)
+    Sc = torch.empty(Hv, n_chunks, BK, DVP, **f32)
+    S1 = torch.empty(Hv, Dk, Dv, **f32)
     o = torch.empty(T, Hv, Dv, **f32)
     K = kernels()
-    K["chunk_prep"][(Hv, n_chunks)](q, k, v, g, beta, W, Kc, q_in, k_end, qk, dec, T, Hv, G, float(scale), DK=Dk,
-                                    DV=Dv, BK=_p2(Dk), BVF=_p2(Dv), C=C, PREC=precision, num_warps=8,
+    K["chunk_prep"][(Hv, n_chunks)](k, v, g, beta, W, Kn, c, T, TP, G, k.stride(0), k.stride(1), v.stride(0),
+                                    v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+                                    DK=Dk, DV=Dv, BK=BK, DVP=DVP, C=C, PREC=precision, num_warps=prep_warps,
                                     num_stages=1)
-    BV = min(BV, _p2(Dv))
-    K["chunk_scan"][(Hv, math.ceil(Dv / BV))](W, Kc, q_in, k_end, qk, dec, S, o, T, Hv, DK=Dk, DV=Dv, BK=_p2(Dk),
-                                              BV=BV, C=C, PREC=precision, num_warps=8, num_stages=1)
-    return o, S
+    BV = min(BV, DVP)
+    K["chunk_state"][(DVP // BV, Hv)](k, W, Kn, c, state, Sc, S1, T, TP, n_chunks, G, k.stride(0), k.stride(1),
+                                      state.stride(0), state.stride(1), state.stride(2), DK=Dk, DV=Dv, BK=BK,
+                                      DVP=DVP, BV=BV, C=C, PREC=precision, num_warps=scan_warps,
+                                      num_stages=scan_stages)
+    out_bv = min(out_bv, DVP)
+    K["chunk_out"][(Hv, n_chunks)](q, k, W, c, Sc, o, T, TP, n_chunks, G, Hv, float(scale), q.stride(0),
+                                   q.stride(1), k.stride(0), k.stride(1), DK=Dk, DV=Dv, BK=BK, DVP=DVP, BV=out_bv,
+                                   C=C, PREC=precision, num_warps=out_warps, num_stages=2)
+    return o, S1
