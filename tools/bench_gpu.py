@@ -316,7 +316,7 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
         K = torch.zeros(n_attn, cfg.num_key_value_heads, max_ctx, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
         V = torch.zeros_like(K)
         if tune:
-            R["plans"] = tune_plans(torch, fw, ("wy",))                 # the fused step needs "wy"
+            R["plans"] = tune_plans(torch, fw)
             R["chunk_scan_ms"] = time_chunk(torch, cfg)
             log(f"chunked rule at 4096 tokens, ms by value columns per program: {R['chunk_scan_ms']} (the runner "
                 f"uses gdn_chunk's default, 32)")

@@ -140,9 +140,9 @@ def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> No
     def ids(n):
         return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
 
-    variants = [("fused", dict(fused=True, pdl=False)), ("unfused", dict(fused=False, pdl=False))]
+    variants = [("plain", dict(pdl=False))]
     if pdl_too:
-        variants.append(("fused_pdl", dict(fused=True, pdl=True)))
+        variants.append(("pdl", dict(pdl=True)))
     for key, kw in variants:
         pdl.set_enabled(kw["pdl"])
         run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, widths=(1, 16, 64), prefill_chunk=4096, **kw)
@@ -160,7 +160,7 @@ def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> No
         run.length = L
         P[f"graph_{key}"] = times
         log(f"graphs ({key}): {times}")
-        if key != "unfused":
+        if key == variants[-1][0]:
             # 32K context: decode and verify 64
             run.prefill(ids(32768 - run.length))
             L32 = run.length
@@ -169,7 +169,7 @@ def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> No
             P[f"graph_{key}_32k"] = {"decode": t32, "verify64": v32}
             log(f"32K ({key}): decode {t32:.2f} verify64 {v32:.2f}")
             run.length = L
-        if key == "fused":
+        if key == "plain":
             # eager kernels, one step each, under the profiler
             def step_decode():
                 m = run.decode_meta

@@ -30,7 +30,6 @@ engine over the same ``Qwen38Weights``) it returns the same matrices.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
@@ -44,9 +43,6 @@ __all__ = ["WIDTHS", "GdnW", "AttnW", "LayerW", "FusedWeights", "fuse_weights", 
            "PathRows", "runner_widths", "unsupported"]
 
 WIDTHS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-GLU_ROWS = 16      # up to this many rows the down matmul computes silu(gate) * up as it loads (every column
-                   # tile recomputes it: cheap at one row, at 64 rows it doubled the step's matmul time);
-                   # wider steps run silu_mul once first. Both give the same bits.
 
 
 @dataclass
@@ -277,8 +273,7 @@ class CudaRunner:
 
     def __init__(self, cfg: Qwen38Config, fw: FusedWeights, S: torch.Tensor, conv: torch.Tensor,
                  K: torch.Tensor, V: torch.Tensor, *, max_context: int, widths: Sequence[int] = WIDTHS,
-                 prefill_chunk: int = 4096, pdl: bool | None = None, attn_split: int | None = None,
-                 fused: bool | None = None) -> None:
+                 prefill_chunk: int = 4096, pdl: bool | None = None, attn_split: int | None = None) -> None:
         from tandem_core.ops import rope as _rope
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_matmul as tm
@@ -324,14 +319,6 @@ class CudaRunner:
             p = tm.plan_for(N, Kd)
             self.plans[(N, Kd)] = dataclasses.replace(p, split=1)
         split_max = max(p.split for p in self.plans.values())
-        # the step's norms and residual adds inside the matmuls (layout "wy" only; ``fused=False``: separate
-        # add + norm kernels, as for the other layouts)
-        all_wy = all(p.layout == "wy" for p in self.plans.values())
-        if fused and not all_wy:
-            raise ValueError("CudaRunner: fused=True needs every matmul plan in layout 'wy'")
-        self.fused = all_wy if fused is None else bool(fused)
-        n_tiles = max([math.ceil(self.H / 64)] + [math.ceil(self.H / p.BN) for (N, _), p in self.plans.items()
-                                                  if N == self.H])
 
         W = self.widths[-1]
         bf, f32 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.float32, device=dev)
@@ -342,8 +329,6 @@ class CudaRunner:
         self.pbuf = torch.zeros(W, self.H, **bf)
         self.gu = torch.zeros(W, 2 * self.I, **bf)
         self.act = torch.zeros(W, self.I, **bf)
-        self.ssq = torch.zeros(n_tiles, W, dtype=torch.float64, device=dev)
-        self.count = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
         self.proj = torch.zeros(max(n_gdn, 1), W, self.n_in, **bf)          # kept per layer for the commit
         self.qkvc = torch.zeros(max(n_gdn, 1), W, self.C, **f32)
         self.o = torch.zeros(W, self.hv, self.dv, **f32)
@@ -376,33 +361,12 @@ class CudaRunner:
         torch.index_select(fw.embed, 0, meta.ids[:W], out=self.x[:W])
         x, h = self.x[:W], self.h[:W]
         parts: torch.Tensor | None = None
-        nt = tm.row_ssq(x, self.ssq) if self.fused else 0
-
-        def normed(w: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor) -> None:
-            # out = rms_norm(x) @ w^T: in the matmul's loads (fused) or after the pending add + norm kernel
-            nonlocal parts
-            if self.fused:
-                tm.fused_matmul(x, w, self._plan(w), out=out, norm=tm.NormIn(self.ssq, nt, norm_w, eps))
-            else:
-                tf.add_rms_norm_1p(x, parts, norm_w, eps, h)
-                tm.skinny_matmul(h, w, self._plan(w), out=out)
-
-        def added(a: torch.Tensor, w: torch.Tensor, glu: bool = False) -> None:
-            # x += a @ w^T: in the matmul's epilogue (fused) or as K parts the next norm kernel adds
-            nonlocal parts, nt
-            if self.fused:
-                p = self._plan(w)
-                tm.fused_matmul(a, w, p, glu=glu,
-                                add=tm.AddOut(x, self.ssq, self.count, self.parts[:, :W]))
-                nt = math.ceil(self.H / p.BN)
-            else:
-                parts = self._mm_parts(a, w, glu=glu)
-
         for i, ly in enumerate(fw.layers):
+            tf.add_rms_norm_1p(x, parts, ly.in_norm, eps, h)
             m, s = ly.mixer, self.slots[i]
             if isinstance(m, GdnW):
                 proj = self.proj[s, :W]
-                normed(m.w_in, ly.in_norm, proj)
+                tm.skinny_matmul(h, m.w_in, self._plan(m.w_in), out=proj)
                 tf.conv_tree(proj, self.conv[s], m.conv, meta.d("win").view(W, self.kw - 1), n,
                              self.qkvc[s, :W], self.dk, 2 * self.hk, W)
                 tg.gdn_tree(self.qkvc[s:s + 1], self.proj[s:s + 1], self.col_b, self.col_a,
@@ -410,35 +374,34 @@ class CudaRunner:
                             meta.d("plan"), n, write_out=True, final_store=decode, scale=self.dk ** -0.5,
                             num_k_heads=self.hk)
                 tf.gated_rms_norm(self.o[:W], proj[:, self.C:], m.norm, eps, self.onorm[:W])
-                added(self.onorm[:W], m.w_out)
+                parts = self._mm_parts(self.onorm[:W], m.w_out)
             else:
                 ap = self.aproj[:W]
-                normed(m.w_qkv, ly.in_norm, ap)
+                tm.skinny_matmul(h, m.w_qkv, self._plan(m.w_qkv), out=ap)
                 tf.qk_post(ap, m.q_norm, m.k_norm, self.freqs, meta.d("pos"), head, self.qrot[:W], self.K[s],
                            self.V[s], self.hq, self.hkv, self.D, c.rotary_dim, eps, W)
                 ta.tree_attention(self.qrot[:W], ap, self.K[s], self.V[s], head, meta.d("pos"),
                                   meta.d("anc").view(W, W), self.ascratch, self.aout[:W], hq=self.hq,
                                   hkv=self.hkv, head_dim=self.D, scale=self.D ** -0.5, rows=W)
-                added(self.aout[:W], m.w_o)
-            normed(ly.w_gu, ly.post_norm, self.gu[:W])
-            if W <= GLU_ROWS:
-                added(self.gu[:W], ly.w_down, glu=True)              # silu(gate) * up as the tiles load
-            else:
-                tf.silu_mul(self.gu[:W], self.act[:W])              # the same bits, computed once for wide rows
-                added(self.act[:W], ly.w_down)
-        normed(fw.head, fw.norm, self.logits[:W])
+                parts = self._mm_parts(self.aout[:W], m.w_o)
+            tf.add_rms_norm_1p(x, parts, ly.post_norm, eps, h)
+            tm.skinny_matmul(h, ly.w_gu, self._plan(ly.w_gu), out=self.gu[:W])
+            tf.silu_mul(self.gu[:W], self.act[:W])
+            parts = self._mm_parts(self.act[:W], ly.w_down)
+        tf.add_rms_norm_1p(x, parts, fw.norm, eps, h)
+        tm.skinny_matmul(h, fw.head, self._plan(fw.head), out=self.logits[:W])
         if decode and len(self.fw.A_log):
             tf.conv_commit(self.conv, self.proj[:, :W], meta.d("path"), head[2:3])
 
-    def _mm_parts(self, x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    def _mm_parts(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from tandem_core.ops import triton_matmul as tm
 
         p = self._plan(w)
         M = x.shape[0]
         if p.split == 1:
-            return tm.skinny_matmul(x, w, p, out=self.pbuf[:M], glu=glu)
+            return tm.skinny_matmul(x, w, p, out=self.pbuf[:M])
         out = self.parts[:p.split, :M]
-        tm.skinny_matmul(x, w, p, out=out, glu=glu)
+        tm.skinny_matmul(x, w, p, out=out)
         return out
 
     def _plan(self, w: torch.Tensor) -> Any:
@@ -569,7 +532,7 @@ class CudaRunner:
 
     def workspace_bytes(self) -> int:
         """Bytes of the runner's own buffers (rows, partials, scratch, logits, round inputs)."""
-        ts = [self.x, self.h, self.parts, self.pbuf, self.gu, self.act, self.ssq, self.count, self.proj, self.qkvc, self.o,
+        ts = [self.x, self.h, self.parts, self.pbuf, self.gu, self.act, self.proj, self.qkvc, self.o,
               self.onorm, self.branch, self.aproj, self.qrot, self.aout, self.logits]
         a = self.ascratch
         ts += [a.m, a.l, a.acc, a.tm, a.tl, a.tacc]
