@@ -11,6 +11,7 @@ Each mirrors its plain-torch reference's dtype flow (``tandem_core.ops.norm``,
     gated_rms_norm(o, z, w, eps, out)        out = bf16(rms(o) * w * silu(z)) per value head
     conv_tree(...)                           causal conv + silu (+ l2 norm of q/k heads) for each node
                                              of a tree, its window through its ancestors and the tail
+    conv_chain(...)                          the same for a chain of prefill tokens, a block of them a program
     qk_post(...)                             q/k zero-centred norm + rope; k, v into the cache slots
     conv_commit / kv_commit                  the tails and cache rows after a committed path
 
@@ -25,7 +26,7 @@ import torch
 
 from tandem_core.ops import triton_pdl as pdl
 
-__all__ = ["kernels", "add_rms_norm_1p", "silu_mul", "gated_rms_norm", "conv_tree", "qk_post", "conv_commit",
+__all__ = ["kernels", "add_rms_norm_1p", "silu_mul", "gated_rms_norm", "conv_tree", "conv_chain", "qk_post", "conv_commit",
            "kv_commit", "next_pow2"]
 
 tl: Any = None
@@ -129,6 +130,39 @@ def _build() -> dict[str, Any]:
             tl.store(out_ptr + i * stride_out + c, y, mask=ok)
 
     @triton.jit
+    def conv_chain_kernel(raw_ptr, tail_ptr, w_ptr, out_ptr, T, C, QK_HEADS, stride_raw, stride_out, eps,
+                          KW: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr):
+        # prefill: BT tokens of a chain x one head-sized channel group g, y = silu(sum_k w[c,k] x_k) with x_k
+        # column t + k of [tail ; raw] (the last is the token's own row): conv_tree's arithmetic for a chain,
+        # many tokens a program (each loaded row serves KW of them)
+        tb = tl.program_id(0)
+        g = tl.program_id(1)
+        t = tb * BT + tl.arange(0, BT)
+        offs = tl.arange(0, BLOCK)
+        c = g * DH + offs
+        c_ok = (offs < DH) & (c < C)
+        t_ok = t < T
+        y = tl.zeros((BT, BLOCK), dtype=tl.float32)
+        for k in tl.static_range(KW):
+            src = t + k
+            from_tail = src < KW - 1
+            row = tl.where(from_tail, 0, src - (KW - 1))
+            xr = tl.load(raw_ptr + row[:, None] * stride_raw + c[None, :],
+                         mask=(t_ok & (src >= KW - 1))[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            xt = tl.load(tail_ptr + c[None, :] * (KW - 1) + tl.where(from_tail, src, 0)[:, None],
+                         mask=(t_ok & from_tail)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.where(from_tail[:, None], xt, xr)
+            wk = tl.load(w_ptr + c * KW + k, mask=c_ok, other=0.0)
+            if k == 0:
+                y = x * wk[None, :]
+            else:
+                y = y + x * wk[None, :]
+        y = (y / (1.0 + tl.exp(-y))).to(tl.bfloat16).to(tl.float32)        # the reference rounds the conv output
+        if g < QK_HEADS:
+            y = y / tl.sqrt(tl.sum(tl.where(c_ok[None, :], y * y, 0.0), 1) + eps)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_out + c[None, :], y, mask=t_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
     def conv_commit_kernel(tail_ptr, keep_ptr, path_ptr, d_ptr, C, stride_tail_l, stride_keep_l, stride_keep_r,
                            KW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
@@ -215,8 +249,8 @@ def _build() -> dict[str, Any]:
             tl.store(base_v + dst * stride_s + offs, vv, mask=ok)
 
     return {"add_norm": add_norm_kernel, "silu_mul": silu_mul_kernel, "gated_norm": gated_norm_kernel,
-            "conv_tree": conv_tree_kernel, "conv_commit": conv_commit_kernel, "qk_post": qk_post_kernel,
-            "kv_commit": kv_commit_kernel}
+            "conv_tree": conv_tree_kernel, "conv_chain": conv_chain_kernel, "conv_commit": conv_commit_kernel,
+            "qk_post": qk_post_kernel, "kv_commit": kv_commit_kernel}
 
 
 def kernels() -> dict[str, Any]:
@@ -271,6 +305,19 @@ def conv_tree(raw: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, win: 
     kernels()["conv_tree"][(rows, groups)](raw, tail, weight, win, out, n, C, qk_heads, raw.stride(0),
                                            out.stride(0), float(eps), KW=KW, DH=head_dim,
                                            BLOCK=next_pow2(head_dim), num_warps=1, **pdl.launch_kw())
+    return out
+
+
+def conv_chain(raw: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, head_dim: int,
+               qk_heads: int, eps: float = 1e-6, BT: int = 16) -> torch.Tensor:
+    """``conv_tree`` for a chain of ``T`` tokens after the tail (prefill), ``BT`` tokens a program: ``raw: [T, >=
+    C]`` bf16 row-strided, ``tail: [C, K-1]`` bf16, ``weight: [C, K]`` fp32 -> ``out: [T, C]`` fp32."""
+    T = raw.shape[0]
+    C, KW = weight.shape
+    groups = (C + head_dim - 1) // head_dim
+    kernels()["conv_chain"][((T + BT - 1) // BT, groups)](raw, tail, weight, out, T, C, qk_heads, raw.stride(0),
+                                                          out.stride(0), float(eps), KW=KW, DH=head_dim, BT=BT,
+                                                          BLOCK=next_pow2(head_dim), num_warps=4)
     return out
 
 

@@ -10,8 +10,8 @@ keeps the sequence length on the host. Every hot step is one graph replay:
                              along the path (every layer in one launch); ``keep=True`` also returns
                              the path's rule rows (``PathRows``) so that ``replay`` can redo it
     replay(rows)             the state advanced along kept rows (taking back pending tokens)
-    prefill(ids)             eager, ``prefill_chunk`` rows at a time: cuBLAS projections, the tree conv
-                             kernel over the chunk as a chain, the chunked gated delta rule, flash
+    prefill(ids)             eager, ``prefill_chunk`` rows at a time: cuBLAS projections, the chain conv
+                             kernel over the chunk, the chunked gated delta rule, flash
                              attention (lower-right causal) over the cache
 
 A round's inputs (length, positions, the tree's windows, plans and ancestor table) go
@@ -610,9 +610,7 @@ class CudaRunner:
         h = torch.empty_like(x)
         meta = torch.tensor([L, T], dtype=torch.int32, device=dev)
         pos = torch.arange(L, L + T, dtype=torch.int32, device=dev)
-        # the chunk as a chain for the conv kernel: node i's window is columns i .. i + K - 2 of [tail ; rows]
-        chain = torch.arange(T, dtype=torch.int32, device=dev)
-        win = (chain[:, None] + torch.arange(self.kw - 1, dtype=torch.int32, device=dev)[None, :]).contiguous()
+        chain = torch.arange(T, dtype=torch.int32, device=dev)               # the chunk as a path, for the tails
         n_rows = meta[1:2]
         qkvc = torch.empty(T, self.C, dtype=torch.float32, device=dev)
         parts: torch.Tensor | None = None
@@ -622,7 +620,7 @@ class CudaRunner:
             if isinstance(m, GdnW):
                 proj = F.linear(h, m.w_in)                                    # [T, C + Hv*Dv + 2Hv]
                 # conv + silu (+ L2 norm of the q and k heads) of the chain, then the tail moves on
-                tf.conv_tree(proj, self.conv[s], m.conv, win, n_rows, qkvc, self.dk, 2 * self.hk, T)
+                tf.conv_chain(proj, self.conv[s], m.conv, qkvc, self.dk, 2 * self.hk)
                 tf.conv_commit(self.conv[s:s + 1], proj[None], chain, n_rows)
                 q, k, v = torch.split(qkvc, [self.hk * self.dk, self.hk * self.dk, self.zdim], dim=-1)
                 q = q.reshape(T, self.hk, self.dk)
