@@ -42,3 +42,19 @@ def test_gdn_chunk_and_tree_match_the_recurrent_reference():
     o_r, S_r = ref.gdn_recurrent(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), S0.cpu(), scale=Dk ** -0.5)
     o_c, S_c = tg.gdn_chunk(q, k, v, g, beta, S0, scale=Dk ** -0.5)
     assert rel(o_c.cpu(), o_r) < 5e-3 and rel(S_c.cpu(), S_r) < 5e-3
+
+
+def test_the_prefill_chain_conv_equals_the_tree_conv_on_a_chain():
+    from tandem_core.ops import triton_fused as tf
+
+    T, C, KW, DH = 300, 1024, 4, 128
+    raw = torch.randn(T, C + 96, device="cuda").bfloat16()
+    tail = torch.randn(C, KW - 1, device="cuda").bfloat16()
+    w = torch.randn(C, KW, device="cuda")
+    chain = torch.arange(T, dtype=torch.int32, device="cuda")
+    win = (chain[:, None] + torch.arange(KW - 1, dtype=torch.int32, device="cuda")[None, :]).contiguous()
+    a = torch.zeros(T, C, device="cuda")
+    b = torch.zeros(T, C, device="cuda")
+    tf.conv_tree(raw, tail, w, win, torch.tensor([T], dtype=torch.int32, device="cuda"), a, DH, 4, T)
+    tf.conv_chain(raw, tail, w, b, DH, 4)
+    assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
