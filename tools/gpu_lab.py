@@ -8,7 +8,7 @@
   (``bench_gpu.tune_plans``), each launched plainly and with programmatic dependent launch (PDL).
   Writes the plans of the faster layout (which the profile then runs) to ``plans.json``.
 - ``attn``: the attention of 16 layers (each its own cache) as one CUDA graph, at 4K and 32K
-  context, 1 and 64 rows, for prefix splits of 64, 128 and 256 positions.
+  context, 1 and 64 rows, for prefix splits of 64, 128 and 256 positions and 1 to 3 pipeline stages.
 - ``profile``: the per-kernel device time (torch profiler, eager) of a decode step, a 64-node
   verify and a 4096-token prefill chunk at 4K context, summed by kernel; and the graph replay
   times of decode and verify 16/64 at 4K and 32K (``--pdl``: also with programmatic dependent launch).
@@ -107,16 +107,22 @@ def run_attn(torch, cfg, R: dict) -> None:
         for L in (4096, 32768):
             meta = torch.tensor([L, W], dtype=torch.int32, device="cuda")
             pos = torch.arange(L, L + W, dtype=torch.int32, device="cuda")
-            for split in (64, 128, 256):
+            for split, stages in ((64, 2), (128, 2), (256, 2), (128, 1), (256, 1), (256, 3)):
                 sc = ta.AttnScratch(W, hq, D, S_max, "cuda", split=split)
+                ta.PARTS_STAGES = stages
 
                 def body():
                     for i in range(n_attn):
                         ta.tree_attention(q, raw, K[i], V[i], meta, pos, anc, sc, out, hq=hq, hkv=hkv, head_dim=D,
                                           scale=D ** -0.5, rows=W)
-                key = f"rows{W}_ctx{L}_split{split}"
-                res[key] = graph_ms(torch, body)
+                key = f"rows{W}_ctx{L}_split{split}_stages{stages}"
+                try:
+                    res[key] = graph_ms(torch, body)
+                except Exception as exc:                          # a config that does not fit (shared memory)
+                    log(f"attention {key}: {type(exc).__name__}")
+                    continue
                 log(f"attention x{n_attn} {key}: {res[key]:.3f} ms")
+    ta.PARTS_STAGES = 2
     del K, V
     torch.cuda.empty_cache()
 

@@ -46,6 +46,7 @@ TAIL = 128     # positions before the row's block that go to the tail (>= the de
 BM = 64        # prefix rows per tile
 NSB = 32       # splits the combine reads at a time
 COMBINE_BD = 64  # head columns per combine program
+PARTS_STAGES = 2  # pipeline stages of the partials kernel (K/V tiles in flight)
 
 tl: Any = None
 _K: dict[str, Any] = {}
@@ -252,7 +253,7 @@ def tree_attention(q: torch.Tensor, raw: torch.Tensor, K: torch.Tensor, V: torch
         q, K, V, meta, pos, anc, scratch.m, scratch.l, scratch.acc, scratch.tm, scratch.tl, scratch.tacc, hq, rows,
         mtiles, q.stride(0), K.stride(0), K.stride(1), scratch.m.stride(0), anc.stride(0), qk_scale,
         G=G, GP=max(16, 1 << (G - 1).bit_length()), D=D, BM=BM, BS=BS, SPLIT=scratch.split, TAIL=TAIL,
-        num_warps=8, num_stages=2, **kw)
+        num_warps=8, num_stages=PARTS_STAGES, **kw)
     BD = min(D, COMBINE_BD)
     kk["combine"][(rows, hq, D // BD)](scratch.m, scratch.l, scratch.acc, scratch.tm, scratch.tl, scratch.tacc, meta,
                                        pos, raw, out, hq, scratch.m.stride(0), raw.stride(0), out.stride(0), D=D,
