@@ -250,8 +250,15 @@ def time_tree(torch, cfg) -> dict:
     return out
 
 
+def tg_default_bv() -> int:
+    from tandem_core.ops import triton_gdn as tg
+
+    return tg.SCAN_BV
+
+
 def time_chunk(torch, cfg) -> dict:
-    """The chunked rule's scan at 4096 tokens with 16 or 32 value columns per program; returns both times."""
+    """The chunked rule at 4096 tokens with 16, 32 or 64 value columns per state-kernel program; returns the
+    times."""
     from tandem_core.ops import triton_gdn as tg
 
     T, hk, hv, dk, dv = 4096, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
@@ -262,7 +269,7 @@ def time_chunk(torch, cfg) -> dict:
     g, beta = -torch.rand(T, hv, device="cuda") * 0.3, torch.rand(T, hv, device="cuda")
     S0 = torch.zeros(hv, dk, dv, device="cuda")
     out = {}
-    for bv in (16, 32):
+    for bv in (16, 32, 64):
         out[bv] = statistics.median(timed(torch, lambda: tg.gdn_chunk(q, k, v, g, beta, S0, scale=dk ** -0.5, BV=bv),
                                           5))
     return out
@@ -319,7 +326,7 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
             R["plans"] = tune_plans(torch, fw)
             R["chunk_scan_ms"] = time_chunk(torch, cfg)
             log(f"chunked rule at 4096 tokens, ms by value columns per program: {R['chunk_scan_ms']} (the runner "
-                f"uses gdn_chunk's default, 32)")
+                f"uses gdn_chunk's default, {tg_default_bv()})")
             from tandem_core.ops import triton_gdn as tg
             R["tree_ms"] = time_tree(torch, cfg)
             tg.TREE_WARPS = min(R["tree_ms"], key=lambda w: R["tree_ms"][w][0])

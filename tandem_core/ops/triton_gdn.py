@@ -21,10 +21,25 @@ Per step (value head h, key head h // (Hv/Hk)), as the reference ``tandem_core.o
     beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
     S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = scale S^T q
 
-Chunked prefill (``gdn_chunk``): ``chunk_prep`` solves each 64-token chunk's unit
-lower-triangular system (block forward substitution on 16x16 diagonal blocks, then the
-exact block-nilpotent correction) in parallel over chunks; ``chunk_scan`` runs the chunks
-in order per (head, value block), the state in registers.
+Chunked prefill (``gdn_chunk``), 64-token chunks in three launches (the reference's algebra; on
+an H200 at the 27B shape, 4096 tokens: about 0.22 + 0.26 + 0.15 ms):
+
+- ``chunk_prep``, one program per (value head, chunk), all chunks at once: the chunk's cumulative
+  log-decay c, A = beta_i exp(c_i - c_j) k_i.k_j (j < i) and (I + A)^-1: the four 16x16 diagonal
+  blocks inverted exactly in fp32 by forward substitution (one row of every block a step, the
+  rows read back from a small scratch), then the block-nilpotent correction
+  (I - M + M^2 - M^3) D^-1 in four dots. It stores W = (I + A)^-1 beta v, -Kc =
+  -(I + A)^-1 beta exp(c) k, k^T (once per key head), c, exp(c_last - c) and exp(c_last).
+- ``chunk_state``, one program per (value head, ``BV`` value columns), the chunks in order, the
+  state slice in registers, only what the recurrence needs: the chunk's starting state is stored,
+  U = W - Kc S (stored over W), S <- exp(c_last) S + k^T (exp(c_last - c) U); two dots a step,
+  the next chunk's operands fetched ahead.
+- ``chunk_out``, one program per (value head, chunk), all chunks at once:
+  o = scale exp(c) q S_start + (scale (q k^T) exp(c_i - c_j), j <= i) U.
+
+q, k, v, g, beta and the state are read in place (row strides, their own float dtype). Every
+operand a tf32 dot reads from memory is stored K-major (W, U, the chunk states and k^T are kept
+transposed), so it reaches shared memory in 16-byte asynchronous copies.
 
 Triton is imported when a kernel is first built, never at import.
 """
@@ -43,12 +58,14 @@ __all__ = ["kernels", "gdn_tree", "gdn_chunk", "tree_plan", "TreePlan", "CHUNK"]
 CHUNK = 64
 TREE_WARPS = 1     # warps per program of the tree kernel, one value for decode, verify and commit alike (H200, 48
                    # layers at 64 nodes: 1 warp 2.72 ms, 2 warps 3.52, 4 warps 3.83)
-SCAN_BV = 32       # gdn_chunk's launch defaults: value columns, warps, pipeline stages of a state-kernel program;
-SCAN_WARPS = 4     # value columns and warps of an output-kernel program; warps of a chunk-solve program
-SCAN_STAGES = 2
-OUT_BV = 64
+SCAN_BV = 64       # gdn_chunk's launch defaults (H200, the 27B shape at 4096 tokens: chunk solve 0.22 ms, state
+SCAN_WARPS = 8     # 0.26 ms, output 0.15 ms): value columns, warps, pipeline stages of a state-kernel program;
+SCAN_STAGES = 2    # value columns, warps, stages of an output-kernel program; warps of a chunk-solve program and
+OUT_BV = 32        # the columns of W and Kc it makes at a time
 OUT_WARPS = 4
+OUT_STAGES = 3
 PREP_WARPS = 4
+PREP_COLS = 32
 tl: Any = None
 _K: dict[str, Any] = {}
 
@@ -143,106 +160,132 @@ def _build() -> dict[str, Any]:
             tl.store(S_base + s_off, St, mask=kv_ok)
 
     @triton.jit
-    def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, kn_ptr, c_ptr, T, TP, G,
-                          stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
+    def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, kn_ptr, kt_ptr, c_ptr, e_ptr, scr_ptr,
+                          T, NCH, G, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
                           stride_b_t, stride_b_h,
                           DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, DVP: tl.constexpr,
-                          C: tl.constexpr, PREC: tl.constexpr):
+                          RB: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
         # one (value head h, chunk n), everything that does not need the running state:
         #   c = cumsum(g); A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i); Tinv = (I + A)^-1
-        #   W = Tinv (beta v) -> w;  -Kc = -Tinv (beta exp(c) k) -> kn;  c -> c
-        # k: [T, Hk, DK] (rows strided), v: [T, HV, DV], g, beta: [T, HV], any float dtype; w: [HV, TP, DVP],
-        # kn: [HV, TP, BK], c: [HV, TP] fp32, TP = the chunks' rows (rows past T: g = beta = 0, so w = kn = 0)
+        #   W = Tinv (beta v) -> w (transposed);  -Kc = -Tinv (beta exp(c) k) -> kn;  c -> c;
+        #   exp(c_last - c), exp(c_last) -> e;  k^T -> kt (per key head, by its first value head)
+        # k: [T, Hk, DK] (rows strided), v: [T, HV, DV], g, beta: [T, HV], any float dtype. Per (h, n), fp32:
+        # w: [DVP, C], kn: [C, BK], c: [C], e: [C + 1]; per (h // G, n): kt: [BK, C]; scr: [2, C, 16] scratch.
+        # Rows past T have g = beta = k = v = 0: their w, kn, kt are 0 and c stays at the last token's.
+        # W and Kc are made RB columns at a time (fewer registers live).
         h = tl.program_id(0)
         nc = tl.program_id(1)
         hk = h // G
+        hn = h * NCH + nc
         ri = tl.arange(0, C)
         t = nc * C + ri
         t_ok = t < T
         offs_k = tl.arange(0, BK)
-        offs_v = tl.arange(0, DVP)
         g = tl.load(g_ptr + t * stride_g_t + h * stride_g_h, mask=t_ok, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + t * stride_b_t + h * stride_b_h, mask=t_ok, other=0.0).to(tl.float32)
         c = tl.cumsum(g, 0)                                                                  # [C]
-        tl.store(c_ptr + h * TP + t, c)
-        kk = tl.load(k_ptr + t[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
-                     mask=t_ok[:, None] & (offs_k < DK)[None, :], other=0.0).to(tl.float32)     # [C, BK]
+        c_last = tl.sum(tl.where(ri == C - 1, c, 0.0), 0)
+        tl.store(c_ptr + hn * C + ri, c)
+        tl.store(e_ptr + hn * (C + 1) + ri, tl.exp(c_last - c))
+        tl.store(e_ptr + hn * (C + 1) + C, tl.exp(c_last))
+        k_rows = k_ptr + t[:, None] * stride_k_t + hk * stride_k_h
+        kk = tl.load(k_rows + offs_k[None, :], mask=t_ok[:, None] & (offs_k < DK)[None, :],
+                     other=0.0).to(tl.float32)                                              # [C, BK]
+        if h % G == 0:
+            tl.store(kt_ptr + (hk * NCH + nc) * (BK * C) + offs_k[None, :] * C + ri[:, None], kk)
         lower = ri[:, None] > ri[None, :]
         rel = tl.exp(tl.where(lower, c[:, None] - c[None, :], -float("inf")))
         A = beta[:, None] * tl.dot(kk, tl.trans(kk), input_precision=PREC) * rel             # [C, C], strictly lower
-        # the four 16x16 diagonal blocks of A as [4, 16, 16], inverted (I + L)^-1 by forward substitution in fp32
-        NB: tl.constexpr = C // 16
-        bi = tl.arange(0, NB)
-        same = bi[:, None, None, None] == bi[None, None, :, None]                          # [NB, 1, NB, 1]
-        L3 = tl.sum(tl.where(same, tl.reshape(A, (NB, 16, NB, 16)), 0.0), axis=2)           # [NB, 16, 16]
-        i16 = tl.arange(0, 16)
-        r3 = i16[None, :, None]
-        X3 = tl.where(r3 == i16[None, None, :], 1.0, 0.0) + tl.zeros((NB, 16, 16), tl.float32)
+        # the 16x16 diagonal blocks L_b of A, inverted in fp32 by forward substitution, all blocks at once, on
+        # Y: [C, 16], Y[16b + col, j] = X_b[j, col] (X_b = (I + L_b)^-1): step s needs row s of each L_b, read
+        # back from the scratch, and sums along Y's rows (within a warp)
+        scr = scr_ptr + hn * (2 * C * 16)
+        blk = ri // 16
+        j16 = tl.arange(0, 16)
+        diag = blk[:, None] == blk[None, :]
+        tl.store(scr + ri[:, None] * 16 + (ri % 16)[None, :], A, mask=diag)                # [C, 16]: L_b rows
+        tl.debug_barrier()
+        Y = tl.where((ri % 16)[:, None] == j16[None, :], 1.0, 0.0)                          # [C, 16]
         for s in tl.static_range(1, 16):
-            # row s of every block: X[s, :] = e_s - sum_{j<s} L[s, j] X[j, :]
-            Ls = tl.sum(tl.where(r3 == s, L3, 0.0), axis=1)                                 # [NB, 16]
-            X3 = tl.where(r3 == s, X3 - tl.sum(Ls[:, :, None] * X3, axis=1)[:, None, :], X3)
-        Xd = tl.reshape(tl.where(same, X3[:, :, None, :], 0.0), (C, C))                     # D^-1, block diagonal
+            Ls = tl.load(scr + (blk * 16 + s)[:, None] * 16 + j16[None, :])                # L_b[s, :] per row
+            Y = tl.where(j16[None, :] == s, Y - tl.sum(Ls * Y, axis=1)[:, None], Y)
+        tl.store(scr + C * 16 + ri[:, None] * 16 + j16[None, :], Y)
+        tl.debug_barrier()
+        # D^-1 = blockdiag(X_b): D^-1[m, n] = Y[16 (m // 16) + n % 16, m % 16]
+        Xd = tl.load(scr + C * 16 + (blk[:, None] * 16 + (ri % 16)[None, :]) * 16 + (ri % 16)[:, None],
+                     mask=diag, other=0.0)                                                   # [C, C]
         # (I + A)^-1 = (I + M)^-1 D^-1 = (I - M + M^2 - M^3) D^-1, M = D^-1 N (N strictly block-lower: M^4 = 0)
         eye = tl.where(ri[:, None] == ri[None, :], 1.0, 0.0)
-        M = tl.dot(Xd, tl.where((ri[:, None] // 16) > (ri[None, :] // 16), A, 0.0), input_precision=PREC)
+        M = tl.dot(Xd, tl.where(blk[:, None] > blk[None, :], A, 0.0), input_precision=PREC)
         P = eye - M
         P = eye - tl.dot(M, P, input_precision=PREC)
         P = eye - tl.dot(M, P, input_precision=PREC)
         Tinv = tl.dot(P, Xd, input_precision=PREC)
-        rows = h * TP + t
-        vv = tl.load(v_ptr + t[:, None] * stride_v_t + h * stride_v_h + offs_v[None, :],
-                     mask=t_ok[:, None] & (offs_v < DV)[None, :], other=0.0).to(tl.float32)     # [C, DVP]
-        W = tl.dot(Tinv, vv * beta[:, None], input_precision=PREC)
-        tl.store(w_ptr + rows[:, None] * DVP + offs_v[None, :], W)
-        Kn = tl.dot(Tinv, kk * (-beta * tl.exp(c))[:, None], input_precision=PREC)
-        tl.store(kn_ptr + rows[:, None] * BK + offs_k[None, :], Kn)
+        for cb in range(DVP // RB):
+            offs_v = cb * RB + tl.arange(0, RB)
+            vv = tl.load(v_ptr + t[:, None] * stride_v_t + h * stride_v_h + offs_v[None, :],
+                         mask=t_ok[:, None] & (offs_v < DV)[None, :], other=0.0).to(tl.float32)  # [C, RB]
+            W = tl.dot(Tinv, vv * beta[:, None], input_precision=PREC)
+            tl.store(w_ptr + hn * (DVP * C) + offs_v[None, :] * C + ri[:, None], W)
+        kb = -beta * tl.exp(c)
+        for cb in range(BK // RB):
+            offs_c = cb * RB + tl.arange(0, RB)
+            kc = tl.load(k_rows + offs_c[None, :], mask=t_ok[:, None] & (offs_c < DK)[None, :],
+                         other=0.0).to(tl.float32)                                          # [C, RB]
+            Kn = tl.dot(Tinv, kc * kb[:, None], input_precision=PREC)
+            tl.store(kn_ptr + hn * (C * BK) + ri[:, None] * BK + offs_c[None, :], Kn)
 
     @triton.jit
-    def chunk_state_kernel(k_ptr, w_ptr, kn_ptr, c_ptr, s0_ptr, sc_ptr, s1_ptr, T, TP, NCH, G,
-                           stride_k_t, stride_k_h, stride_s_h, stride_s_k, stride_s_v,
+    def chunk_state_kernel(w_ptr, kn_ptr, kt_ptr, e_ptr, s0_ptr, sc_ptr, s1_ptr, NCH, G,
+                           stride_s_h, stride_s_k, stride_s_v,
                            DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, DVP: tl.constexpr,
                            BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
-        # one (BV value columns, value head h): the chunks in order, S[:, cols] in registers; per chunk
-        #   sc <- S (the chunk's starting state);  U = W - Kc S -> w (in place);
-        #   S <- exp(c_last) S + (exp(c_last - c) k)^T U
-        # s0: [HV, DK, DV] (strided, any float dtype); sc: [HV, NCH, BK, DVP] fp32; s1: [HV, DK, DV] fp32
+        # one (BV value columns, value head h): the chunks in order, S[:, cols] in registers; per chunk n
+        #   sc <- S (the chunk's starting state, transposed);  U = W - Kc S -> w (in place);
+        #   S <- exp(c_last) S + k^T (exp(c_last - c) U)
+        # s0: [HV, DK, DV] (strided, any float dtype); sc: [HV, NCH, DVP, BK] fp32; s1: [HV, DK, DV] fp32
         vb = tl.program_id(0)
         h = tl.program_id(1)
-        hk = h // G
         ri = tl.arange(0, C)
         offs_k = tl.arange(0, BK)
         offs_v = vb * BV + tl.arange(0, BV)
         kv_ok = (offs_k < DK)[:, None] & (offs_v < DV)[None, :]
         S = tl.load(s0_ptr + h * stride_s_h + offs_k[:, None] * stride_s_k + offs_v[None, :] * stride_s_v,
                     mask=kv_ok, other=0.0).to(tl.float32)                                   # [BK, BV]
-        sc_off = offs_k[:, None] * DVP + offs_v[None, :]
-        for nc in range(0, NCH):
-            t = nc * C + ri
-            rows = h * TP + t
-            tl.store(sc_ptr + (h * NCH + nc) * (BK * DVP) + sc_off, S)
-            kn = tl.load(kn_ptr + rows[:, None] * BK + offs_k[None, :])                      # [C, BK]
-            wu = w_ptr + rows[:, None] * DVP + offs_v[None, :]
-            U = tl.dot(kn, S, acc=tl.load(wu), input_precision=PREC)                         # [C, BV]
-            tl.store(wu, U)
-            kk = tl.load(k_ptr + t[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
-                         mask=(t < T)[:, None] & (offs_k < DK)[None, :], other=0.0).to(tl.float32)
-            cc = tl.load(c_ptr + rows)
-            c_last = tl.load(c_ptr + h * TP + nc * C + C - 1)
-            S = tl.dot(tl.trans(kk), U * tl.exp(c_last - cc)[:, None], acc=S * tl.exp(c_last),
-                       input_precision=PREC)
+        w_off = offs_v[None, :] * C + ri[:, None]                                            # [C, BV] of w's [DVP, C]
+        sc_off = offs_v[None, :] * BK + offs_k[:, None]                                      # [BK, BV] of sc's [DVP, BK]
+        hn = h * NCH
+        kt_base = kt_ptr + (h // G) * NCH * (BK * C)
+        w_next = tl.load(w_ptr + hn * (DVP * C) + w_off)
+        e_next = tl.load(e_ptr + hn * (C + 1) + ri)
+        d_next = tl.load(e_ptr + hn * (C + 1) + C)
+        for nc in range(NCH):
+            w_cur = w_next
+            e = e_next
+            d = d_next
+            nx = hn + tl.minimum(nc + 1, NCH - 1)                       # the next chunk's W and decays, early
+            w_next = tl.load(w_ptr + nx * (DVP * C) + w_off)
+            e_next = tl.load(e_ptr + nx * (C + 1) + ri)
+            d_next = tl.load(e_ptr + nx * (C + 1) + C)
+            tl.store(sc_ptr + (hn + nc) * (DVP * BK) + sc_off, S)
+            kn = tl.load(kn_ptr + (hn + nc) * (C * BK) + ri[:, None] * BK + offs_k[None, :])     # [C, BK]
+            U = tl.dot(kn, S, acc=w_cur, input_precision=PREC)                                   # [C, BV]
+            tl.store(w_ptr + (hn + nc) * (DVP * C) + w_off, U)
+            kt = tl.load(kt_base + nc * (BK * C) + offs_k[:, None] * C + ri[None, :])            # [BK, C]
+            S = tl.dot(kt, U * e[:, None], acc=S * d, input_precision=PREC)
         tl.store(s1_ptr + h * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :], S, mask=kv_ok)
 
     @triton.jit
-    def chunk_out_kernel(q_ptr, k_ptr, u_ptr, c_ptr, sc_ptr, o_ptr, T, TP, NCH, G, HV, scale,
+    def chunk_out_kernel(q_ptr, k_ptr, u_ptr, c_ptr, sc_ptr, o_ptr, T, NCH, G, HV, scale,
                          stride_q_t, stride_q_h, stride_k_t, stride_k_h,
                          DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, DVP: tl.constexpr,
                          BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
-        # one (value head h, chunk n), all chunks at once: o = scale exp(c) q Sc + (scale (q k^T) exp(c_i - c_j),
-        # j <= i) U, BV value columns at a time; o: [T, HV, DV] fp32
+        # one (value head h, chunk n), all chunks at once, BV value columns at a time:
+        #   o = scale exp(c) q Sc + (scale (q k^T) exp(c_i - c_j), j <= i) U;  o: [T, HV, DV] fp32
         h = tl.program_id(0)
         nc = tl.program_id(1)
         hk = h // G
+        hn = h * NCH + nc
         ri = tl.arange(0, C)
         t = nc * C + ri
         t_ok = t < T
@@ -252,17 +295,15 @@ def _build() -> dict[str, Any]:
                     other=0.0).to(tl.float32)                                               # [C, BK]
         kk = tl.load(k_ptr + t[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :], mask=tk_ok,
                      other=0.0).to(tl.float32)
-        cc = tl.load(c_ptr + h * TP + t)
+        cc = tl.load(c_ptr + hn * C + ri)
         causal = ri[:, None] >= ri[None, :]
         qk = tl.dot(q, tl.trans(kk), input_precision=PREC) * (
             scale * tl.exp(tl.where(causal, cc[:, None] - cc[None, :], -float("inf"))))      # [C, C]
         qs = q * (scale * tl.exp(cc))[:, None]
-        rows = h * TP + t
-        sc_base = sc_ptr + (h * NCH + nc) * (BK * DVP)
-        for vb in range(0, DVP // BV):
+        for vb in range(DVP // BV):
             offs_v = vb * BV + tl.arange(0, BV)
-            S = tl.load(sc_base + offs_k[:, None] * DVP + offs_v[None, :])                  # [BK, BV]
-            U = tl.load(u_ptr + rows[:, None] * DVP + offs_v[None, :])                      # [C, BV]
+            S = tl.load(sc_ptr + hn * (DVP * BK) + offs_v[None, :] * BK + offs_k[:, None])      # [BK, BV]
+            U = tl.load(u_ptr + hn * (DVP * C) + offs_v[None, :] * C + ri[:, None])             # [C, BV]
             o = tl.dot(qk, U, acc=tl.dot(qs, S, input_precision=PREC), input_precision=PREC)
             tl.store(o_ptr + t[:, None] * (HV * DV) + h * DV + offs_v[None, :], o,
                      mask=t_ok[:, None] & (offs_v < DV)[None, :])
@@ -348,7 +389,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor, *, scale: float, chunk: int = CHUNK, precision: str = "tf32",
               BV: int = SCAN_BV, scan_warps: int = SCAN_WARPS, scan_stages: int = SCAN_STAGES,
-              out_bv: int = OUT_BV, out_warps: int = OUT_WARPS,
+              out_bv: int = OUT_BV, out_warps: int = OUT_WARPS, out_stages: int = OUT_STAGES,
               prep_warps: int = PREP_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference ``gdn_chunk``'s contract on CUDA: ``q, k: [T, Hk, Dk]``, ``v: [T, Hv, Dv]``, ``g, beta:
     [T, Hv]``, ``state: [Hv, Dk, Dv]`` -> ``(o [T, Hv, Dv] fp32, new_state [Hv, Dk, Dv] fp32)``; nothing
@@ -365,28 +406,29 @@ def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     dev = q.device
     q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
     C = CHUNK
-    n_chunks = math.ceil(T / C)
-    TP = n_chunks * C
+    N = math.ceil(T / C)
     BK, DVP = max(16, _p2(Dk)), max(16, _p2(Dv))
-    f32 = dict(dtype=torch.float32, device=dev)
-    W = torch.empty(Hv, TP, DVP, **f32)                # W, then U in place
-    Kn = torch.empty(Hv, TP, BK, **f32)
-    c = torch.empty(Hv, TP, **f32)
-    Sc = torch.empty(Hv, n_chunks, BK, DVP, **f32)
+    f32 = {"dtype": torch.float32, "device": dev}
+    W = torch.empty(Hv, N, DVP, C, **f32)              # W, then U in place (transposed per chunk)
+    Kn = torch.empty(Hv, N, C, BK, **f32)
+    Kt = torch.empty(Hk, N, BK, C, **f32)
+    c = torch.empty(Hv, N, C, **f32)
+    e = torch.empty(Hv, N, C + 1, **f32)
+    scr = torch.empty(Hv, N, 2, C, 16, **f32)
+    Sc = torch.empty(Hv, N, DVP, BK, **f32)            # each chunk's starting state, transposed
     S1 = torch.empty(Hv, Dk, Dv, **f32)
     o = torch.empty(T, Hv, Dv, **f32)
     K = kernels()
-    K["chunk_prep"][(Hv, n_chunks)](k, v, g, beta, W, Kn, c, T, TP, G, k.stride(0), k.stride(1), v.stride(0),
-                                    v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-                                    DK=Dk, DV=Dv, BK=BK, DVP=DVP, C=C, PREC=precision, num_warps=prep_warps,
-                                    num_stages=1)
+    K["chunk_prep"][(Hv, N)](k, v, g, beta, W, Kn, Kt, c, e, scr, T, N, G, k.stride(0), k.stride(1),
+                             v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+                             DK=Dk, DV=Dv, BK=BK, DVP=DVP, RB=min(PREP_COLS, BK, DVP), C=C, PREC=precision,
+                             num_warps=prep_warps, num_stages=1)
     BV = min(BV, DVP)
-    K["chunk_state"][(DVP // BV, Hv)](k, W, Kn, c, state, Sc, S1, T, TP, n_chunks, G, k.stride(0), k.stride(1),
-                                      state.stride(0), state.stride(1), state.stride(2), DK=Dk, DV=Dv, BK=BK,
-                                      DVP=DVP, BV=BV, C=C, PREC=precision, num_warps=scan_warps,
-                                      num_stages=scan_stages)
+    K["chunk_state"][(DVP // BV, Hv)](W, Kn, Kt, e, state, Sc, S1, N, G, state.stride(0), state.stride(1),
+                                      state.stride(2), DK=Dk, DV=Dv, BK=BK, DVP=DVP, BV=BV, C=C, PREC=precision,
+                                      num_warps=scan_warps, num_stages=scan_stages)
     out_bv = min(out_bv, DVP)
-    K["chunk_out"][(Hv, n_chunks)](q, k, W, c, Sc, o, T, TP, n_chunks, G, Hv, float(scale), q.stride(0),
-                                   q.stride(1), k.stride(0), k.stride(1), DK=Dk, DV=Dv, BK=BK, DVP=DVP, BV=out_bv,
-                                   C=C, PREC=precision, num_warps=out_warps, num_stages=2)
+    K["chunk_out"][(Hv, N)](q, k, W, c, Sc, o, T, N, G, Hv, float(scale), q.stride(0), q.stride(1), k.stride(0),
+                            k.stride(1), DK=Dk, DV=Dv, BK=BK, DVP=DVP, BV=out_bv, C=C, PREC=precision,
+                            num_warps=out_warps, num_stages=out_stages)
     return o, S1
