@@ -287,7 +287,8 @@ def lookup_draft(seq: list[int], k: int) -> list[int]:
 
 
 # -- our engine ----------------------------------------------------------------------------------------------
-def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 128, prefill: bool = True) -> dict:
+def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 128, prefill: bool = True,
+               prefill_chunk: int = 4096) -> dict:
     import torch
 
     from tandem_qwen38.config import read_config
@@ -332,7 +333,8 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
             tg.TREE_WARPS = min(R["tree_ms"], key=lambda w: R["tree_ms"][w][0])
             log(f"tree kernel, {len(cfg.linear_layers)} layers, ms (64 nodes, 1 node) by warps: {R['tree_ms']}; "
                 f"runner uses {tg.TREE_WARPS}")
-        run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, prefill_chunk=4096,
+        R["prefill_chunk"] = prefill_chunk
+        run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, prefill_chunk=prefill_chunk,
                          widths=runner_widths(max_tree))
         from tandem_core.ops import triton_gdn as tg
         R["tree_warps"] = tg.TREE_WARPS
@@ -916,11 +918,12 @@ def main() -> None:
     ap.add_argument("--no-tune", action="store_true", help="keep the heuristic matmul plans")
     ap.add_argument("--max-tree", type=int, default=128, help="the widest verify the engine captures")
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill phase")
+    ap.add_argument("--prefill-chunk", type=int, default=4096, help="rows a prefill forward runs at a time")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.part == "engine":
-        R = run_engine(out, a.budget, not a.no_tune, a.max_tree, not a.skip_prefill)
+        R = run_engine(out, a.budget, not a.no_tune, a.max_tree, not a.skip_prefill, a.prefill_chunk)
         print(report(out))
         if R.get("errors"):
             for k, v in R["errors"].items():
