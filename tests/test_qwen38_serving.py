@@ -53,7 +53,11 @@ def test_the_architecture_and_setting_are_registered(registered, qwen38_ckpts):
         assert arch.name == "qwen3_5" and arch.package == "tandem-qwen38"
         assert arch.load("serve") is serving.serve
         assert arch.read_config(ck.raw_config).num_hidden_layers == 4
-    assert SETTINGS.get("QWEN38_PREFILL_CHUNK") == 512
+    assert SETTINGS.get("QWEN38_PREFILL_CHUNK") == 0                       # by device
+    assert serving.prefill_chunk_for(0, "cpu") == 512 and serving.prefill_chunk_for(0, "cuda:0") == 8192
+    assert serving.prefill_chunk_for(64, "cuda") == 64
+    with pytest.raises(serving.ServeError, match="prefill_chunk"):
+        serving.prefill_chunk_for(-1, "cpu")
     assert SETTINGS.get("QWEN38_PREFILL_CHUNK", {"TANDEM_QWEN38_PREFILL_CHUNK": "64"}) == 64
     assert SETTINGS.decl("QWEN38_PREFILL_CHUNK").arithmetic
 

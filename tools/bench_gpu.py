@@ -288,7 +288,7 @@ def lookup_draft(seq: list[int], k: int) -> list[int]:
 
 # -- our engine ----------------------------------------------------------------------------------------------
 def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 128, prefill: bool = True,
-               prefill_chunk: int = 4096) -> dict:
+               prefill_chunk: int = 8192) -> dict:
     import torch
 
     from tandem_qwen38.config import read_config
@@ -918,7 +918,8 @@ def main() -> None:
     ap.add_argument("--no-tune", action="store_true", help="keep the heuristic matmul plans")
     ap.add_argument("--max-tree", type=int, default=128, help="the widest verify the engine captures")
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill phase")
-    ap.add_argument("--prefill-chunk", type=int, default=4096, help="rows a prefill forward runs at a time")
+    ap.add_argument("--prefill-chunk", type=int, default=8192,
+                    help="rows a prefill forward runs at a time (the CUDA serving default, CUDA_PREFILL_CHUNK)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -273,7 +273,7 @@ class CudaRunner:
 
     def __init__(self, cfg: Qwen38Config, fw: FusedWeights, S: torch.Tensor, conv: torch.Tensor,
                  K: torch.Tensor, V: torch.Tensor, *, max_context: int, widths: Sequence[int] = WIDTHS,
-                 prefill_chunk: int = 4096, pdl: bool | None = None, attn_split: int | None = None) -> None:
+                 prefill_chunk: int = 8192, pdl: bool | None = None, attn_split: int | None = None) -> None:
         from tandem_core.ops import rope as _rope
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_matmul as tm

@@ -21,9 +21,10 @@ ARCH = Arch(
 )
 
 SETTINGS_DECLARED = (
-    Setting("QWEN38_PREFILL_CHUNK", 512, "tandem_qwen38.serving",
+    Setting("QWEN38_PREFILL_CHUNK", 0, "tandem_qwen38.serving",
             "tokens per prefill chunk of the qwen3_5 engine (a long prompt runs through every layer this "
-            "many tokens at a time; the result equals one full forward within fp32 rounding)",
+            "many tokens at a time; the result equals one full forward within fp32 rounding); 0: by device, "
+            "512 on the CPU, 8192 on CUDA",
             int, arithmetic=True),
 )
 

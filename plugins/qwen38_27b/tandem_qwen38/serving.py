@@ -7,7 +7,8 @@ tensor, ``ctx.progress`` per tensor), ``engine`` (buffers for ``max_context``),
 ``<think>`` block (``reasoning``) and tool calls in Qwen's XML form
 (``tool_format="qwen_xml"``). ``spawn`` builds another engine over the same
 weight objects with its own buffers. Options read: ``prefill_chunk`` (default the
-``QWEN38_PREFILL_CHUNK`` setting) and ``max_tree`` (the widest verify, default 64).
+``QWEN38_PREFILL_CHUNK`` setting; 0 there: ``prefill_chunk_for`` the device) and ``max_tree`` (the widest
+verify, default 64).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from tandem_qwen38.config import Qwen38Config, read_config
 from tandem_qwen38.model import Qwen38Engine
 from tandem_qwen38.weights import Qwen38Weights, load_weights, normalise_dtype, open_checkpoint
 
-__all__ = ["serve", "ServeError", "think_in_prompt", "build_engine"]
+__all__ = ["serve", "ServeError", "think_in_prompt", "build_engine", "prefill_chunk_for", "CPU_PREFILL_CHUNK",
+           "CUDA_PREFILL_CHUNK"]
+
+CPU_PREFILL_CHUNK = 512      # the CPU path's chunk (memory for the chunk's activations stays small)
+CUDA_PREFILL_CHUNK = 8192    # the CUDA path's (H200, 27B shape: 11,000 tok/s at 8K against 10,977 in chunks of 4096)
 
 
 class ServeError(RuntimeError):
@@ -35,6 +40,16 @@ class ServeError(RuntimeError):
 def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int,
                  prefill_chunk: int, max_tree: int = 64) -> Qwen38Engine:
     return Qwen38Engine(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk, max_tree=max_tree)
+
+
+def prefill_chunk_for(requested: int, device: Any) -> int:
+    """The prefill chunk: ``requested`` when positive, else the device's default (``CUDA_PREFILL_CHUNK`` on a
+    CUDA device, ``CPU_PREFILL_CHUNK`` elsewhere)."""
+    if int(requested) < 0:
+        raise ServeError(f"prefill_chunk {requested}: must be positive (or 0 for the device's default)")
+    if int(requested) > 0:
+        return int(requested)
+    return CUDA_PREFILL_CHUNK if str(device).startswith("cuda") else CPU_PREFILL_CHUNK
 
 
 def serve(args: ServeArgs, ctx: ServeContext) -> Served:
@@ -61,7 +76,8 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         ctx.log(f"max_context {max_context} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}; using {cfg.max_position_embeddings}")
         max_context = cfg.max_position_embeddings
-    prefill_chunk = int(args.options.get("prefill_chunk", SETTINGS.get("QWEN38_PREFILL_CHUNK")))
+    prefill_chunk = prefill_chunk_for(int(args.options.get("prefill_chunk", SETTINGS.get("QWEN38_PREFILL_CHUNK"))),
+                                      weights.device)
     max_tree = int(args.options.get("max_tree", 64))
     engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
     ctx.mark("engine")
