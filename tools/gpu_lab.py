@@ -1,6 +1,6 @@
 """Kernel lab for the Qwen3.8 CUDA path at the 27B shape: where a step's time goes, and matmul variants.
 
-    python3 tools/gpu_lab.py --out DIR [--parts bw,mm,attn,prefetch,profile] [--pdl]
+    python3 tools/gpu_lab.py --out DIR [--parts bw,mm,attn,profile] [--pdl]
 
 - ``bw``: the copy bandwidth (read + write) and the read bandwidth (a sum over 8 GiB of bf16).
 - ``mm``: every weight matmul of a decode step (257 launches) as one CUDA graph at 1 and 64 rows:
@@ -9,8 +9,6 @@
   Writes the plans of the faster layout (which the profile then runs) to ``plans.json``.
 - ``attn``: the attention of 16 layers (each its own cache) as one CUDA graph, at 4K and 32K
   context, 1 and 64 rows, for prefix splits of 64, 128 and 256 positions and 1 to 3 pipeline stages.
-- ``prefetch``: decode and verify graph times at 4K and 32K with the step's L2 prefetch off and on (at
-  half, once and twice its sizes).
 - ``profile``: the per-kernel device time (torch profiler, eager) of a decode step, a 64-node
   verify and a 4096-token prefill chunk at 4K context, summed by kernel; and the graph replay
   times of decode and verify 16/64 at 4K and 32K (``--pdl``: also with programmatic dependent launch).
@@ -129,47 +127,6 @@ def run_attn(torch, cfg, R: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def run_prefetch(torch, cfg, fw, R: dict) -> None:
-    """Decode and verify 16/64 graph times at 4K and 32K with the step's L2 prefetch off, on at the default
-    sizes, and on at half and twice them."""
-    from tandem_qwen38 import cuda_graphs as cg
-
-    n_gdn, n_attn = len(cfg.linear_layers), len(cfg.attention_layers)
-    max_ctx = 32768 + 1024
-    S = torch.zeros(n_gdn, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                    dtype=torch.float32, device="cuda")
-    conv = torch.zeros(n_gdn, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=torch.bfloat16, device="cuda")
-    K = torch.zeros(n_attn, cfg.num_key_value_heads, max_ctx, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
-    V = torch.zeros_like(K)
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, cfg.vocab_size, (32768,), generator=gen).tolist()
-    base = dict(cg.PREFETCH)
-    res = R.setdefault("prefetch", {})
-    for name, on, scale in (("off", False, 1.0), ("on", True, 1.0), ("half", True, 0.5), ("double", True, 2.0)):
-        cg.PREFETCH.update({k: int(v * scale) for k, v in base.items()})
-        run = cg.CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, widths=(1, 16, 64), l2_prefetch=on)
-        run.reset()
-        run.prefill(ids[:4096])
-        run.capture()
-        out = {}
-        for ctx in (4096, 32768):
-            if ctx > run.length:
-                run.prefill(ids[run.length:ctx])
-            L = run.length
-            out[f"decode_{ctx}"] = statistics.median(timed(torch, lambda: (run.decode(ids[0]),
-                                                                           setattr(run, "length", L)), 20))
-            for W in (16, 64):
-                out[f"verify{W}_{ctx}"] = statistics.median(
-                    timed(torch, lambda: run.verify(ids[:W], [-1] + list(range(W - 1))), 10))
-            run.length = L
-        res[name] = out
-        log(f"L2 prefetch {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
-        run.graphs.clear()
-        del run
-        torch.cuda.empty_cache()
-    cg.PREFETCH.update(base)
-
-
 def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -267,7 +224,7 @@ def run_profile(torch, cfg, fw, R: dict, out: Path, pdl_too: bool = False) -> No
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--parts", default="bw,mm,attn,prefetch,profile")
+    ap.add_argument("--parts", default="bw,mm,attn,profile")
     ap.add_argument("--pdl", action="store_true", help="profile: graphs with PDL as well")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -294,9 +251,6 @@ def main() -> None:
     if "mm" in parts:
         with phase(R, "mm"):
             run_mm(torch, fw, R)
-    if "prefetch" in parts:
-        with phase(R, "prefetch"):
-            run_prefetch(torch, cfg, fw, R)
     if "profile" in parts:
         with phase(R, "profile"):
             run_profile(torch, cfg, fw, R, a.out, a.pdl)

@@ -14,7 +14,6 @@ Each mirrors its plain-torch reference's dtype flow (``tandem_core.ops.norm``,
     conv_chain(...)                          the same for a chain of prefill tokens, a block of them a program
     qk_post(...)                             q/k zero-centred norm + rope; k, v into the cache slots
     conv_commit / kv_commit                  the tails and cache rows after a committed path
-    l2_prefetch(t, nbytes)                   L2 prefetch requests for a weight's first bytes (a hint)
 
 Triton is imported when a kernel is first built, never at import.
 """
@@ -28,7 +27,7 @@ import torch
 from tandem_core.ops import triton_pdl as pdl
 
 __all__ = ["kernels", "add_rms_norm_1p", "silu_mul", "gated_rms_norm", "conv_tree", "conv_chain", "qk_post", "conv_commit",
-           "kv_commit", "l2_prefetch", "next_pow2"]
+           "kv_commit", "next_pow2"]
 
 tl: Any = None
 _K: dict[str, Any] = {}
@@ -249,19 +248,9 @@ def _build() -> dict[str, Any]:
             tl.store(base_k + dst * stride_s + offs, kv, mask=ok)
             tl.store(base_v + dst * stride_s + offs, vv, mask=ok)
 
-    @triton.jit
-    def l2_prefetch_kernel(p_ptr, n_lines, LINES: tl.constexpr, BLOCK: tl.constexpr):
-        # ask L2 for LINES 128-byte lines from line pid * LINES on (clamped to the tensor), without waiting for
-        # them: the program ends once the requests are issued, the lines arrive while other kernels run
-        pid = tl.program_id(0)
-        for i in tl.static_range(0, LINES, BLOCK):
-            line = tl.minimum(pid * LINES + i + tl.arange(0, BLOCK), n_lines - 1).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                                      [p_ptr + line * 128], dtype=tl.int32, is_pure=False, pack=1)
-
     return {"add_norm": add_norm_kernel, "silu_mul": silu_mul_kernel, "gated_norm": gated_norm_kernel,
             "conv_tree": conv_tree_kernel, "conv_chain": conv_chain_kernel, "conv_commit": conv_commit_kernel,
-            "qk_post": qk_post_kernel, "kv_commit": kv_commit_kernel, "l2_prefetch": l2_prefetch_kernel}
+            "qk_post": qk_post_kernel, "kv_commit": kv_commit_kernel}
 
 
 def kernels() -> dict[str, Any]:
@@ -330,19 +319,6 @@ def conv_chain(raw: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, out:
                                                           out.stride(0), float(eps), KW=KW, DH=head_dim, BT=BT,
                                                           BLOCK=next_pow2(head_dim), num_warps=4)
     return out
-
-
-def l2_prefetch(t: torch.Tensor, nbytes: int, lines_per_program: int = 1024) -> None:
-    """Ask the GPU's L2 for the first ``nbytes`` of ``t`` (contiguous) with eviction priority "last", and return
-    once the requests are issued (CUDA only: a hint, no result). The step issues it on a side stream before a
-    latency-bound stretch, for the weights of the matmul after it."""
-    total = t.numel() * t.element_size()
-    n_lines = (min(int(nbytes), total) + 127) // 128
-    if n_lines <= 0:
-        return
-    progs = (n_lines + lines_per_program - 1) // lines_per_program
-    kernels()["l2_prefetch"][(progs,)](t.view(torch.uint8) if t.dtype != torch.uint8 else t, n_lines,
-                                       LINES=lines_per_program, BLOCK=256, num_warps=2)
 
 
 def conv_commit(tails: torch.Tensor, keep: torch.Tensor, path: torch.Tensor, d: torch.Tensor) -> None:

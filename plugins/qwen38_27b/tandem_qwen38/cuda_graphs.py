@@ -43,10 +43,6 @@ __all__ = ["WIDTHS", "GdnW", "AttnW", "LayerW", "FusedWeights", "fuse_weights", 
            "PathRows", "runner_widths", "unsupported"]
 
 WIDTHS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-MB = 1 << 20
-# L2 prefetch per latency-bound stretch of a step, bytes of the next matmul's weight (the H200's L2 is 50 MB;
-# a stretch lasts about 3 us after a residual add, 2 after the MLP's gate/up, 10 in a GDN mixer, 20 in attention)
-PREFETCH = {"gdn": 24 * MB, "attn": 16 * MB, "norm": 8 * MB, "act": 6 * MB}
 
 
 @dataclass
@@ -277,8 +273,7 @@ class CudaRunner:
 
     def __init__(self, cfg: Qwen38Config, fw: FusedWeights, S: torch.Tensor, conv: torch.Tensor,
                  K: torch.Tensor, V: torch.Tensor, *, max_context: int, widths: Sequence[int] = WIDTHS,
-                 prefill_chunk: int = 8192, pdl: bool | None = None, attn_split: int | None = None,
-                 l2_prefetch: bool | None = None) -> None:
+                 prefill_chunk: int = 8192, pdl: bool | None = None, attn_split: int | None = None) -> None:
         from tandem_core.ops import rope as _rope
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_matmul as tm
@@ -288,11 +283,6 @@ class CudaRunner:
         if pdl is None:
             pdl = bool(SETTINGS.get("CUDA_PDL")) and torch.cuda.get_device_capability(S.device)[0] >= 9
         triton_pdl.set_enabled(pdl)
-        if l2_prefetch is None:
-            l2_prefetch = bool(SETTINGS.get("QWEN38_L2_PREFETCH"))
-        self.l2_prefetch = bool(l2_prefetch) and S.device.type == "cuda"
-        self.side = torch.cuda.Stream(S.device) if self.l2_prefetch else None
-        self._forked = False
         self.cfg, self.fw = cfg, fw
         self.S, self.conv, self.K, self.V = S, conv, K, V
         self.max_context = int(max_context)
@@ -374,11 +364,9 @@ class CudaRunner:
         for i, ly in enumerate(fw.layers):
             tf.add_rms_norm_1p(x, parts, ly.in_norm, eps, h)
             m, s = ly.mixer, self.slots[i]
-            self._join()
             if isinstance(m, GdnW):
                 proj = self.proj[s, :W]
                 tm.skinny_matmul(h, m.w_in, self._plan(m.w_in), out=proj)
-                self._prefetch(m.w_out, PREFETCH["gdn"])
                 tf.conv_tree(proj, self.conv[s], m.conv, meta.d("win").view(W, self.kw - 1), n,
                              self.qkvc[s, :W], self.dk, 2 * self.hk, W)
                 tg.gdn_tree(self.qkvc[s:s + 1], self.proj[s:s + 1], self.col_b, self.col_a,
@@ -386,51 +374,24 @@ class CudaRunner:
                             meta.d("plan"), n, write_out=True, final_store=decode, scale=self.dk ** -0.5,
                             num_k_heads=self.hk)
                 tf.gated_rms_norm(self.o[:W], proj[:, self.C:], m.norm, eps, self.onorm[:W])
-                self._join()
                 parts = self._mm_parts(self.onorm[:W], m.w_out)
             else:
                 ap = self.aproj[:W]
                 tm.skinny_matmul(h, m.w_qkv, self._plan(m.w_qkv), out=ap)
-                self._prefetch(m.w_o, PREFETCH["attn"])
                 tf.qk_post(ap, m.q_norm, m.k_norm, self.freqs, meta.d("pos"), head, self.qrot[:W], self.K[s],
                            self.V[s], self.hq, self.hkv, self.D, c.rotary_dim, eps, W)
                 ta.tree_attention(self.qrot[:W], ap, self.K[s], self.V[s], head, meta.d("pos"),
                                   meta.d("anc").view(W, W), self.ascratch, self.aout[:W], hq=self.hq,
                                   hkv=self.hkv, head_dim=self.D, scale=self.D ** -0.5, rows=W)
-                self._join()
                 parts = self._mm_parts(self.aout[:W], m.w_o)
-            self._prefetch(ly.w_gu, PREFETCH["norm"])
             tf.add_rms_norm_1p(x, parts, ly.post_norm, eps, h)
-            self._join()
             tm.skinny_matmul(h, ly.w_gu, self._plan(ly.w_gu), out=self.gu[:W])
-            self._prefetch(ly.w_down, PREFETCH["act"])
             tf.silu_mul(self.gu[:W], self.act[:W])
-            self._join()
             parts = self._mm_parts(self.act[:W], ly.w_down)
-            nxt = fw.layers[i + 1].mixer if i + 1 < len(fw.layers) else None
-            self._prefetch(fw.head if nxt is None else nxt.w_in if isinstance(nxt, GdnW) else nxt.w_qkv,
-                           PREFETCH["norm"])
         tf.add_rms_norm_1p(x, parts, fw.norm, eps, h)
-        self._join()
         tm.skinny_matmul(h, fw.head, self._plan(fw.head), out=self.logits[:W])
         if decode and len(self.fw.A_log):
             tf.conv_commit(self.conv, self.proj[:, :W], meta.d("path"), head[2:3])
-
-    def _prefetch(self, w: torch.Tensor, nbytes: int) -> None:
-        """Fork: L2 prefetch requests for ``w``'s first ``nbytes`` on the side stream (``_join`` before the
-        matmul that reads ``w``)."""
-        if self.l2_prefetch:
-            from tandem_core.ops import triton_fused as tf
-
-            self.side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.side):
-                tf.l2_prefetch(w, nbytes)
-            self._forked = True
-
-    def _join(self) -> None:
-        if self._forked:
-            torch.cuda.current_stream(self.device).wait_stream(self.side)
-            self._forked = False
 
     def _mm_parts(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from tandem_core.ops import triton_matmul as tm

@@ -26,10 +26,6 @@ SETTINGS_DECLARED = (
             "many tokens at a time; the result equals one full forward within fp32 rounding); 0: by device, "
             "512 on the CPU, 8192 on CUDA",
             int, arithmetic=True),
-    Setting("QWEN38_L2_PREFETCH", True, "tandem_qwen38.cuda_graphs",
-            "CUDA decode/verify step: before each latency-bound stretch (norms, conv, the recurrent step, "
-            "attention), ask L2 on a side stream for the first megabytes of the weight the next matmul reads "
-            "(a hint: results unchanged)", bool),
 )
 
 
