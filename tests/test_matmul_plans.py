@@ -1,4 +1,4 @@
-"""The CUDA matmul plans are chosen on the host: which layout and split a weight shape gets."""
+"""The CUDA kernels' host-side choices: which layout and split a weight shape gets, how attention cuts the context."""
 
 from __future__ import annotations
 
@@ -24,3 +24,16 @@ def test_a_tuned_plan_wins_over_the_heuristic():
         assert tm.plan_for(1234, 5120) is plan
     finally:
         tm._PLANS.pop((1234, 5120))
+
+
+def test_the_attention_scratch_holds_every_split_of_the_context_and_refuses_a_ragged_split():
+    import pytest
+    import torch
+
+    from tandem_core.ops import triton_attention as ta
+
+    sc = ta.AttnScratch(4, 6, 32, 1000, torch.device("cpu"), split=128)
+    assert (sc.split, sc.splits) == (128, 8) and sc.acc.shape == (8, 24, 32)
+    assert ta.AttnScratch(1, 6, 32, 1000, torch.device("cpu")).split == ta.SPLIT
+    with pytest.raises(ValueError, match="split 100"):
+        ta.AttnScratch(4, 6, 32, 1000, torch.device("cpu"), split=100)
