@@ -250,12 +250,6 @@ def time_tree(torch, cfg) -> dict:
     return out
 
 
-def tg_default_bv() -> int:
-    from tandem_core.ops import triton_gdn as tg
-
-    return tg.SCAN_BV
-
-
 def time_chunk(torch, cfg) -> dict:
     """The chunked rule at 4096 tokens with 16, 32 or 64 value columns per state-kernel program; returns the
     times."""
@@ -325,10 +319,10 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
         V = torch.zeros_like(K)
         if tune:
             R["plans"] = tune_plans(torch, fw)
+            from tandem_core.ops import triton_gdn as tg
             R["chunk_scan_ms"] = time_chunk(torch, cfg)
             log(f"chunked rule at 4096 tokens, ms by value columns per program: {R['chunk_scan_ms']} (the runner "
-                f"uses gdn_chunk's default, {tg_default_bv()})")
-            from tandem_core.ops import triton_gdn as tg
+                f"uses gdn_chunk's default, {tg.SCAN_BV})")
             R["tree_ms"] = time_tree(torch, cfg)
             tg.TREE_WARPS = min(R["tree_ms"], key=lambda w: R["tree_ms"][w][0])
             log(f"tree kernel, {len(cfg.linear_layers)} layers, ms (64 nodes, 1 node) by warps: {R['tree_ms']}; "
