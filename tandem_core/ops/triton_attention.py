@@ -11,9 +11,13 @@ position alone, never by how many rows the call carries or where the tree sits:
   node) gathers the node's own keys — committed slots below ``L``, its ancestors' cache
   slots ``L + anc[node, depth]`` above — so a tree node sees exactly the keys plain decode
   sees at that position, at the same offsets;
-- the **combine**: per (node, query head) the maximum over the splits and the tail, then
-  every part scaled to it and summed (``NSB`` splits at a time, in a fixed order for a
-  position), times the output gate ``sigmoid(gate)`` (Qwen's gated attention), rounded to bf16.
+- the tails and the prefix splits are one launch (``parts_kernel``: the tails first, the
+  longest programs); ``SPLIT`` is the default of ``AttnScratch``'s split, one value for every
+  call on a scratch (a row's sum order rests on it);
+- the **combine**: per (node, query head, ``COMBINE_BD`` of the head's columns) the maximum
+  over the splits and the tail, then every part scaled to it and summed (``NSB`` splits at a
+  time, in a fixed order for a position), times the output gate ``sigmoid(gate)`` (Qwen's
+  gated attention), rounded to bf16.
 
 ``TAIL >= 128`` keeps every tree position (depth < 128) inside the tail, so the prefix
 holds committed rows only. Decode is the one-node tree; its rows equal verify rows bit
