@@ -24,12 +24,14 @@ import pytest
 import torch
 from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixture)
 
-from tree_checks import Recorded, carries, path_to, walk  # noqa: E402
+from tree_checks import (Recorded, assert_same_state, check_chains, check_forward_settles,  # noqa: E402
+                         check_oracle_speculation, check_random_tree, check_rejected_branches,
+                         check_second_tree, path_to, plain_rows_of_tree, random_tree)
 from tandem_core import ops
 from tandem_core.engine import ResumableEngine, TreeEngine
 from tandem_core.serving import ServeArgs, ServeContext
 from tandem_core.spec.selfcheck import LayerTrace, Trace, run_selfcheck
-from tandem_core.state import ModelState, StateMismatch
+from tandem_core.state import StateMismatch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "plugins" / "drafters") not in sys.path:
@@ -93,44 +95,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def assert_same_state(got: ModelState, want: ModelState, when: str = "") -> None:
-    assert got.length == want.length, when
-    assert not got.sections and not want.sections
-    for k, v in want.views.items():
-        assert torch.equal(got.views[k].head(want.length), v.head(want.length)), f"view {k} {when}"
-
-
 @pytest.fixture(scope="module")
 def rec(twin):
     return Recorded(twin, prompt(20, seed=21), 68)
-
-
-def random_tree(rng: random.Random, n: int, path: list[int] | None = None) -> tuple[list[int], list[int]]:
-    """``n`` nodes: ``path`` (if given) as the first chain, then random nodes, some branching off branches;
-    shuffled into a random order with parents first. Returns (tokens, parents)."""
-    tok, par = list(path or []), list(range(-1, len(path or []) - 1))
-    while len(tok) < n:
-        recent = max(0, len(tok) - 4)
-        par.append(rng.choice([-1, *range(len(tok)), *range(recent, len(tok))]))
-        tok.append(rng.randrange(VOCAB))
-    order, ready = [], [i for i in range(n) if par[i] < 0]
-    while ready:
-        i = ready.pop(rng.randrange(len(ready)))
-        order.append(i)
-        ready.extend(j for j in range(n) if par[j] == i)
-    new = {old: k for k, old in enumerate(order)}
-    return [tok[i] for i in order], [-1 if par[i] < 0 else new[par[i]] for i in order]
-
-
-def plain_rows_of_tree(twin, base: ModelState, tokens: list[int], parents: list[int]):
-    """Plain decode of every node's own path: its row, its hidden row and the state after it."""
-    rows, hidden, states = [], [], []
-    for t, p in zip(tokens, parents):
-        twin.state.restore(base if p < 0 else states[p])
-        rows.append(twin.forward([t])[0])
-        hidden.append(twin.hidden_post_norm()[0].clone())
-        states.append(twin.state.clone())
-    return torch.stack(rows), torch.stack(hidden), states
 
 
 # -- the engine contract ------------------------------------------------------------------------------
@@ -138,93 +105,27 @@ def test_the_engine_offers_the_tree_resume_and_trace_verbs(gguf_path, eng):
     assert isinstance(eng, TreeEngine) and isinstance(eng, ResumableEngine) and isinstance(eng, LayerTrace)
     caps = eng.caps
     assert caps.tree and caps.resume and caps.trace and not caps.recurrent and caps.max_tree == 64
+    assert not eng.state.sections                               # attention only: every state is K and V views
     assert {"linear_rows", "silu"} <= set(eng.manifest().extra["ops"])
     small = serve_tiny(gguf_path, max_context=64, max_tree=8)
     assert small.engine.caps.max_tree == 8 and small.spawn().caps.max_tree == 8
 
 
 def test_chains_of_every_width_equal_the_decode_rows_and_commit_its_state(eng, rec):
-    for w in range(1, eng.caps.max_tree + 1):
-        at = w % 5                                              # chains start at several positions
-        eng.state.restore(rec.state_at(at))
-        out = eng.forward_block(rec.tokens[at:at + w])
-        assert out.logits.shape == (w, VOCAB) and out.logits.dtype == torch.float32
-        for j in range(w):
-            assert torch.equal(out.logits[j], rec.rows[at + j]), f"width {w}, node {j}"
-        assert torch.equal(eng.hidden_post_norm(), torch.stack(rec.hidden[at:at + w])), f"width {w} hidden"
-        assert eng.kv.length == rec.start.length + at           # nothing committed yet
-        eng.commit_tree(range(w))
-        assert_same_state(eng.state, rec.state_at(at + w), f"after committing width {w}")
+    check_chains(eng, rec, VOCAB)
 
 
 @pytest.mark.parametrize("size,seed", [(1, 0), (2, 1), (5, 2), (13, 3), (33, 4), (64, 5)])
 def test_random_trees_equal_plain_decode_of_every_nodes_path(eng, twin, rec, size, seed):
-    rng = random.Random(seed)
-    base = rec.state_at(3)
-    tokens, parents = random_tree(rng, size)
-    eng.state.restore(base)
-    out = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
-    want, hidden, states = plain_rows_of_tree(twin, base, tokens, parents)
-    for i in range(size):
-        assert torch.equal(out.logits[i], want[i]), f"node {i} (parent {parents[i]})"
-    assert torch.equal(eng.hidden_post_norm(), hidden)
-    assert eng.kv.length == base.length
-    # commit the path to the deepest node: the state plain decode of that path leaves
-    leaf = max(range(size), key=lambda i: (len(path_to(parents, i)), -i))
-    eng.commit_tree(path_to(parents, leaf))
-    assert_same_state(eng.state, states[leaf], f"after committing the path to node {leaf}")
+    check_random_tree(eng, twin, rec, size, seed, VOCAB)
 
 
 def test_rejected_branches_leave_no_trace(eng, rec):
-    rng = random.Random(7)
-    truth = rec.tokens[10:16]
-    tokens, parents = random_tree(rng, 40, path=truth)
-    path, parent = [], -1
-    for t in truth:
-        parent = next(i for i in range(len(tokens)) if parents[i] == parent and tokens[i] == t
-                      and carries(tokens, parents, i, truth[len(path):]))
-        path.append(parent)
-    eng.state.restore(rec.state_at(10))
-    out = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
-    for d, node in enumerate(path):
-        assert torch.equal(out.logits[node], rec.rows[10 + d])
-    eng.commit_tree(path)
-    eng.settle()
-    assert_same_state(eng.state, rec.state_at(16), "after the commit")
-    for j in range(16, 24):                                    # decoding on is plain decoding
-        assert torch.equal(eng.forward([rec.tokens[j]])[0], rec.rows[j]), f"decode row {j}"
-    assert_same_state(eng.state, rec.state_at(24), "after decoding on")
-    out = eng.forward_block(rec.tokens[24:30])                 # and verifying on is too
-    assert all(torch.equal(out.logits[j], rec.rows[24 + j]) for j in range(6))
+    check_rejected_branches(eng, rec, VOCAB)
 
 
 def test_a_second_tree_replaces_the_first_and_discard_drops_it(eng, rec):
-    eng.state.restore(rec.state_at(0))
-    eng.forward_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0]))
-    out = eng.forward_block(rec.tokens[:4])
-    assert all(torch.equal(out.logits[j], rec.rows[j]) for j in range(4))
-    with pytest.raises(ValueError, match="parent 0, not -1"):
-        eng.commit_tree([1])
-    eng.commit_tree([0, 1])
-    assert_same_state(eng.state, rec.state_at(2))
-    with pytest.raises(RuntimeError, match="no verified tree"):
-        eng.commit_tree([0])                                     # a commit consumes the tree
-    eng.forward_block(rec.tokens[2:5])
-    eng.discard_pending()
-    with pytest.raises(RuntimeError, match="no verified tree"):
-        eng.commit_tree([0])
-    assert_same_state(eng.state, rec.state_at(2), "discard_pending changes nothing committed")
-    eng.forward_block(rec.tokens[2:5])
-    eng.forward([rec.tokens[2]])                                 # a forward drops the tree too
-    with pytest.raises(RuntimeError, match="no verified tree"):
-        eng.commit_tree([0])
-    eng.forward_block([1])
-    eng.commit_tree([])                                          # an empty path commits nothing
-    assert eng.kv.length == rec.start.length + 3
-    eng.forward_block([1, 2])
-    eng.rollback_to(eng.kv.length)                               # a rollback drops the tree
-    with pytest.raises(RuntimeError, match="no verified tree"):
-        eng.commit_tree([0])
+    check_second_tree(eng, rec)
 
 
 def test_verify_and_commit_refuse_what_they_cannot_do(served, eng, rec):
@@ -303,28 +204,7 @@ def test_trim_pending_rollback_and_settle(eng, rec):
 
 
 def test_forward_settles_and_a_state_restore_forgets_pending_and_tree(eng, rec):
-    eng.state.restore(rec.state_at(0))
-    eng.forward_block(rec.tokens[:3])
-    eng.commit_tree(range(3))
-    eng.forward([rec.tokens[3]])                                # a forward makes the pending tokens permanent
-    with pytest.raises(ValueError, match="0 tokens are pending"):
-        eng.trim_pending(1)
-    assert_same_state(eng.state, rec.state_at(4))
-    eng.forward_block(rec.tokens[4:6])
-    eng.commit_tree(range(2))
-    eng.forward_block(rec.tokens[6:8])
-    eng.state.restore(rec.state_at(2))                           # a cache restores another state
-    with pytest.raises(RuntimeError, match="no verified tree"):
-        eng.commit_tree([0])
-    with pytest.raises(ValueError, match="0 tokens are pending"):
-        eng.trim_pending(1)
-    out = eng.forward_block(rec.tokens[2:6])
-    assert all(torch.equal(out.logits[j], rec.rows[2 + j]) for j in range(4))
-    eng.commit_tree(range(4))
-    eng.reset()
-    assert eng.kv.length == 0
-    with pytest.raises(ValueError, match="0 tokens are pending"):
-        eng.trim_pending(1)
+    check_forward_settles(eng, rec)
 
 
 def test_resume_at_a_common_prefix_then_verify_equals_the_plain_run(eng, rec):
@@ -369,7 +249,7 @@ def test_other_weight_holdings_and_sources_verify_bit_for_bit(tmp_path, bpe, mon
     eng, twin = served.engine, served.spawn()
     twin.forward(prompt(37, seed=4))                              # past the llama3 band edges of 16
     base = twin.state.clone()
-    tokens, parents = random_tree(random.Random(11), 24)
+    tokens, parents = random_tree(random.Random(11), 24, VOCAB)
     want, _, states = plain_rows_of_tree(twin, base, tokens, parents)
     eng.state.restore(base)
     out = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
@@ -392,7 +272,7 @@ def test_a_head_in_row_blocks_verifies_bit_for_bit_and_equals_the_whole_head(ser
     cls = type(eng)
     blocked, blocked_twin = (cls(eng.cfg, eng.w, max_context=256, head_block_bytes=48 * 64 * 4) for _ in range(2))
     base = rec.state_at(4)
-    tokens, parents = random_tree(random.Random(9), 20)
+    tokens, parents = random_tree(random.Random(9), 20, VOCAB)
     want, _, _ = plain_rows_of_tree(blocked_twin, base, tokens, parents)
     blocked.state.restore(base)
     out = blocked.forward_tree(torch.tensor(tokens), torch.tensor(parents))
@@ -462,55 +342,8 @@ def test_speculative_decoding_with_the_lookup_drafter_equals_plain(served, eng, 
         assert tokens / rounds > 1.5, f"{tokens} tokens in {rounds} rounds: the drafter should be accepted"
 
 
-def oracle_tree(rng: random.Random, root: int, truth: list[int]) -> tuple[list[int], list[int]]:
-    """Root (the model's own pending token), then a random length of the true continuation, wrong tokens
-    beside it and branches off them; sometimes the continuation's last token is replaced."""
-    keep = rng.choice([0, 1, 2, 3, 5, 8, len(truth)])
-    chain = truth[:keep]
-    if chain and rng.random() < 0.25:
-        chain = chain[:-1] + [(chain[-1] + 1) % VOCAB]
-    tok, par = [root], [-1]
-    for t in chain:
-        tok.append(t)
-        par.append(len(tok) - 2)
-    for _ in range(rng.randrange(0, 12)):
-        par.append(rng.randrange(len(tok)))
-        tok.append(rng.randrange(VOCAB))
-    order, ready = [], [0]
-    while ready:
-        i = ready.pop(rng.randrange(len(ready)))
-        order.append(i)
-        ready.extend(j for j in range(len(tok)) if par[j] == i)
-    new = {old: k for k, old in enumerate(order)}
-    return [tok[i] for i in order], [-1 if par[i] < 0 else new[par[i]] for i in order]
-
-
 def test_greedy_speculation_with_an_oracle_drafter_equals_plain_greedy(eng, twin):
-    rng = random.Random(2024)
-    N = 36
-    rounds = accepted = 0
-    for k, ids in enumerate(PROMPTS):
-        twin.reset()
-        logits = twin.forward(ids)
-        plain = []
-        for _ in range(N + 12):
-            plain.append(int(twin.picks(logits)[-1]))
-            logits = twin.forward([plain[-1]])
-        eng.reset()
-        pending = int(eng.picks(eng.forward(ids))[-1])
-        out: list[int] = []
-        while len(out) < N:
-            tokens, parents = oracle_tree(rng, pending, plain[len(out) + 1:len(out) + 10])
-            verified = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
-            path, pending = walk(tokens, parents, eng.picks(verified.logits).tolist())
-            eng.commit_tree(path)
-            eng.settle()
-            out += [tokens[i] for i in path]
-            rounds += 1
-            accepted += len(path)
-        first = next((i for i in range(N) if out[i] != plain[i]), None)
-        assert first is None, f"prompt {k}: first difference at token {first}"
-    assert accepted >= 2 * rounds                                # the oracle's trees were accepted deeply
+    check_oracle_speculation(eng, twin, PROMPTS, VOCAB)
 
 
 # -- the load-time self-check ---------------------------------------------------------------------------
