@@ -42,24 +42,8 @@ WIDTH = 16  # the self-check's widths
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _plugins_and_one_thread():
-    """The llama and drafters plugins registered (as installed distributions would be); one thread: the
-    tiny model's tensors are far below ATen's grain, so the count changes no arithmetic, and one thread
-    keeps the many small calls fast on a busy runner."""
-    from tandem_drafters import plugin as drafters_plugin
-    from tandem_llama import plugin as llama_plugin
-
-    from tandem_core.plugins import load_plugins, plugin_manager, register_plugin
-
-    load_plugins()
-    pm = plugin_manager()
-    for plug, name in ((llama_plugin, "llama"), (drafters_plugin, "drafters")):
-        if not pm.is_registered(plug) and pm.get_plugin(name) is None:
-            register_plugin(plug, name)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _plugins_and_one_thread(llama_plugins_one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 def serve_tiny(path: Path, max_context: int = 256, **options):

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from openai import OpenAI
 from test_llama_default_model import smollm2_path  # noqa: F401  (session fixture: the pulled GGUF)
 
@@ -71,21 +70,8 @@ PLAIN = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _plugins_and_one_thread():
-    from tandem_drafters import plugin as drafters_plugin
-    from tandem_llama import plugin as llama_plugin
-
-    from tandem_core.plugins import load_plugins, plugin_manager, register_plugin
-
-    load_plugins()
-    pm = plugin_manager()
-    for plug, name in ((llama_plugin, "llama"), (drafters_plugin, "drafters")):
-        if not pm.is_registered(plug) and pm.get_plugin(name) is None:
-            register_plugin(plug, name)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _plugins_and_one_thread(llama_plugins_one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
