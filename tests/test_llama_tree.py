@@ -24,10 +24,9 @@ import pytest
 import torch
 from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixture)
 
-from tree_checks import (Recorded, assert_same_state, check_chains, check_forward_settles,  # noqa: E402
-                         check_oracle_speculation, check_random_tree, check_rejected_branches,
-                         check_second_tree, path_to, plain_rows_of_tree, random_tree)
-from tandem_core import ops
+from tree_checks import (Recorded, assert_same_state, check_a_batched_linear_fails_at_width_two,  # noqa: E402
+                         check_chains, check_forward_settles, check_oracle_speculation, check_random_tree,
+                         check_rejected_branches, check_second_tree, path_to, plain_rows_of_tree, random_tree)
 from tandem_core.engine import ResumableEngine, TreeEngine
 from tandem_core.serving import ServeArgs, ServeContext
 from tandem_core.spec.selfcheck import LayerTrace, Trace, run_selfcheck
@@ -377,23 +376,8 @@ def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(serve
 
 
 def test_a_batched_linear_kernel_fails_the_check_at_width_two(served):
-    """A ``linear_rows`` kernel that multiplies the rows together (one GEMM) is what the op exists to
-    avoid: on a BLAS whose M=1 and M=2 rows differ, the check fails at width 2 in layer 0."""
     lin = served.engine.w.layers[0].qkv
-    x = torch.randn(2, lin.shape[1], generator=torch.Generator().manual_seed(0))
-    if all(torch.equal(lin.matmul(x)[i], lin.matmul(x[i:i + 1])[0]) for i in range(2)):
-        pytest.skip("this BLAS gives a 2-row GEMM the 1-row bits: nothing to catch")
-
-    def batched(lin, x):
-        return lin.matmul(x)
-
-    ops.register("linear_rows", "cpu", batched)
-    try:
-        res = run_selfcheck(build(served))
-    finally:
-        ops.unregister("linear_rows", "cpu")
-    assert not res.ok and res.mismatch is not None
-    assert res.mismatch.width == 2 and res.mismatch.layer == "layer 0 attention"
+    check_a_batched_linear_fails_at_width_two(lambda: build(served), lin.matmul, lin.shape[1], "layer 0 attention")
 
 
 def test_an_inexact_commit_is_named_as_the_state_before_the_row(served):

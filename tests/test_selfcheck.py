@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest_qwen38 import load_engine, qwen38_ckpts  # noqa: F401  (fixture)
+from tree_checks import check_a_batched_linear_fails_at_width_two
 
-from tandem_core import ops
 from tandem_core.spec.selfcheck import LayerTrace, SelfCheck, Trace, run_selfcheck
 
 WIDTH = 16
@@ -100,31 +100,15 @@ def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(qwen3
     m = res.mismatch
     assert m is not None and m.form == "chain" and m.width == 3 and m.node == 0
     assert m.layer == f"layer {layer} {kind} mixer"
-    assert f"width 3" in res.first_mismatch and f"layer {layer} {kind} mixer" in res.first_mismatch
+    assert "width 3" in res.first_mismatch and f"layer {layer} {kind} mixer" in res.first_mismatch
     assert f"decode row {m.row}" in res.first_mismatch and f"position {m.position}" in res.first_mismatch
     assert res.rows_checked == 1 + 2 + 1                   # widths 1 and 2 passed; the first row of width 3
 
 
 def test_a_non_invariant_linear_kernel_fails_the_check_at_width_two(qwen38_ckpts):
-    """A ``linear_rows`` kernel that multiplies the rows together (one GEMM) is what the op exists to
-    avoid: on a BLAS whose M=1 and M=2 rows differ, the check fails at width 2 in layer 0."""
-    eng = build(qwen38_ckpts)
-    lin = eng.w.layers[0].mixer.in_qkv
-    x = torch.randn(2, lin.shape[1], generator=torch.Generator().manual_seed(0))
-    if all(torch.equal(F.linear(x, lin.dense())[i], F.linear(x[i:i + 1], lin.dense())[0]) for i in range(2)):
-        pytest.skip("this BLAS gives a 2-row GEMM the 1-row bits: nothing to catch")
-
-    def batched(lin, x):
-        return lin.matmul(x)
-
-    ops.register("linear_rows", "cpu", batched)
-    try:
-        res = run_selfcheck(build(qwen38_ckpts))
-    finally:
-        ops.unregister("linear_rows", "cpu")
-    assert not res.ok and res.mismatch is not None
-    assert res.mismatch.width == 2 and res.mismatch.layer == "layer 0 linear_attention mixer"
-    assert "width 2" in res.first_mismatch and "layer 0 linear_attention mixer" in res.first_mismatch
+    lin = build(qwen38_ckpts).w.layers[0].mixer.in_qkv
+    check_a_batched_linear_fails_at_width_two(lambda: build(qwen38_ckpts), lambda x: F.linear(x, lin.dense()),
+                                              lin.shape[1], "layer 0 linear_attention mixer")
 
 
 def test_an_inexact_commit_is_named_as_the_state_before_the_row(qwen38_ckpts, engine_cls):

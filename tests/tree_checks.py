@@ -13,7 +13,8 @@ from tandem_core.state import ModelState
 
 __all__ = ["Recorded", "path_to", "walk", "carries", "assert_same_state", "random_tree", "oracle_tree",
            "plain_rows_of_tree", "check_chains", "check_random_tree", "check_rejected_branches",
-           "check_second_tree", "check_forward_settles", "check_oracle_speculation"]
+           "check_second_tree", "check_forward_settles", "check_oracle_speculation",
+           "check_a_batched_linear_fails_at_width_two"]
 
 
 class Recorded:
@@ -271,3 +272,27 @@ def check_oracle_speculation(eng, twin, prompts: list[list[int]], vocab: int, n:
         first = next((i for i in range(n) if out[i] != plain[i]), None)
         assert first is None, f"prompt {k}: first difference at token {first}"
     assert accepted >= 2 * rounds                                # the oracle's trees were accepted deeply
+
+
+def check_a_batched_linear_fails_at_width_two(build, gemm, k: int, layer: str) -> None:
+    """A ``linear_rows`` kernel that multiplies the rows together (one GEMM) is what the op exists to avoid: on a
+    BLAS whose M=1 and M=2 rows differ (probed with ``gemm``, a layer-0 product of ``k`` inputs), the self-check
+    of an engine from ``build()`` fails at width 2 and names ``layer``."""
+    from tandem_core import ops
+    from tandem_core.spec.selfcheck import run_selfcheck
+
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(0))
+    if all(torch.equal(gemm(x)[i], gemm(x[i:i + 1])[0]) for i in range(2)):
+        pytest.skip("this BLAS gives a 2-row GEMM the 1-row bits: nothing to catch")
+
+    def batched(lin, x):
+        return lin.matmul(x)
+
+    ops.register("linear_rows", "cpu", batched)
+    try:
+        res = run_selfcheck(build())
+    finally:
+        ops.unregister("linear_rows", "cpu")
+    assert not res.ok and res.mismatch is not None
+    assert res.mismatch.width == 2 and res.mismatch.layer == layer
+    assert "width 2" in res.first_mismatch and layer in res.first_mismatch
