@@ -61,13 +61,7 @@ def n_splits(max_positions: int, split: int = SPLIT) -> int:
 
 
 def _build() -> dict[str, Any]:
-    global tl
-    import triton
-    import triton.language as _tl
-
-    tl = _tl
-    pdl_wait = pdl.jit_helpers()["pdl_wait"]
-    globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
+    triton = pdl.bind(globals())                # tl and pdl_wait, where the kernels look them up
 
     @triton.jit
     def _prefix(kvh, s, mt, q_ptr, K_ptr, V_ptr, meta_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, HQ, stride_q,

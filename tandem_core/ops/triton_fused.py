@@ -38,13 +38,7 @@ def next_pow2(n: int) -> int:
 
 
 def _build() -> dict[str, Any]:
-    global tl
-    import triton
-    import triton.language as _tl
-
-    tl = _tl
-    pdl_wait = pdl.jit_helpers()["pdl_wait"]
-    globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
+    triton = pdl.bind(globals())                # tl and pdl_wait, where the kernels look them up
 
     @triton.jit
     def add_norm_kernel(x_ptr, parts_ptr, w_ptr, out_ptr, H, stride_x, stride_ps, stride_pm,

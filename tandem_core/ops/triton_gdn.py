@@ -68,14 +68,7 @@ _K: dict[str, Any] = {}
 
 
 def _build() -> dict[str, Any]:
-    global tl
-    import triton
-    import triton.language as _tl
-
-    tl = _tl
-
-    pdl_wait = pdl.jit_helpers()["pdl_wait"]
-    globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
+    triton = pdl.bind(globals())                # tl and pdl_wait, where the kernels look them up
 
     @triton.jit(do_not_specialize=["write_out", "final_store"])
     def tree_kernel(qkv_ptr, ab_ptr, alog_ptr, dtb_ptr, S_ptr, scratch_ptr, o_ptr, plan_ptr, n_ptr,

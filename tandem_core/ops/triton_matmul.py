@@ -94,14 +94,7 @@ def plans() -> dict[tuple[int, int], MatmulPlan]:
 
 
 def _build() -> dict[str, Any]:
-    global tl
-    import triton
-    import triton.language as _tl
-
-    tl = _tl
-
-    pdl_wait = pdl.jit_helpers()["pdl_wait"]
-    globals()["pdl_wait"] = pdl_wait              # Triton resolves a kernel's callees in the module globals
+    triton = pdl.bind(globals())                # tl and pdl_wait, where the kernels look them up
 
     @triton.jit(do_not_specialize=["M"])
     def mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_os, stride_om,

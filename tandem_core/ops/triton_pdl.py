@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["enabled", "set_enabled", "launch_kw", "jit_helpers"]
+__all__ = ["enabled", "set_enabled", "launch_kw", "jit_helpers", "bind"]
 
 _ON = {"on": False}
 _H: dict[str, Any] = {}
@@ -62,3 +62,13 @@ def jit_helpers() -> dict[str, Any]:
 
         _H["pdl_wait"] = pdl_wait
     return _H
+
+
+def bind(module_globals: dict[str, Any]) -> Any:
+    """Import Triton for a kernel module's ``_build``: the module's globals get ``tl`` and ``pdl_wait`` (Triton
+    resolves a kernel's callees and names in its module's globals); returns the ``triton`` module."""
+    import triton
+    import triton.language as tl
+
+    module_globals.update(tl=tl, pdl_wait=jit_helpers()["pdl_wait"])
+    return triton
