@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import signal
 import socket
@@ -32,6 +31,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu import _cpu_name  # noqa: E402  (one machine description for every CPU benchmark)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_CACHE = ROOT / ".tandem-test-cache"
@@ -68,16 +70,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _model_path(model: str, weights: str | None) -> tuple[str, Path]:
