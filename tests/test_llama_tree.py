@@ -26,10 +26,11 @@ from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixt
 
 from tree_checks import (Recorded, assert_same_state, check_a_batched_linear_fails_at_width_two,  # noqa: E402
                          check_chains, check_forward_settles, check_oracle_speculation, check_random_tree,
-                         check_rejected_branches, check_second_tree, path_to, plain_rows_of_tree, random_tree)
+                         check_rejected_branches, check_second_tree, check_trace_verbs, check_trim_pending, path_to,
+                         plain_rows_of_tree, random_tree)
 from tandem_core.engine import ResumableEngine, TreeEngine
 from tandem_core.serving import ServeArgs, ServeContext
-from tandem_core.spec.selfcheck import LayerTrace, Trace, run_selfcheck
+from tandem_core.spec.selfcheck import LayerTrace, run_selfcheck
 from tandem_core.state import StateMismatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,22 +143,7 @@ def test_verify_and_commit_refuse_what_they_cannot_do(served, eng, rec):
 
 
 def test_trim_pending_rollback_and_settle(eng, rec):
-    base = rec.start.length
-    eng.state.restore(rec.state_at(5))
-    for a, b in [(5, 8), (8, 10), (10, 14)]:                    # three commits, never settled: 9 pending
-        eng.forward_block(rec.tokens[a:b])
-        eng.commit_tree(range(b - a))
-    assert_same_state(eng.state, rec.state_at(14))
-    eng.trim_pending(4)
-    assert_same_state(eng.state, rec.state_at(10), "after trim_pending(4)")
-    eng.rollback_to(base + 7)
-    assert_same_state(eng.state, rec.state_at(7), "after rollback_to")
-    out = eng.forward_block(rec.tokens[7:12])                   # verify on from the rolled-back state
-    assert all(torch.equal(out.logits[j], rec.rows[7 + j]) for j in range(5))
-    eng.commit_tree(range(5))
-    assert_same_state(eng.state, rec.state_at(12), "after committing again")
-    with pytest.raises(ValueError, match="7 tokens are pending"):
-        eng.trim_pending(8)
+    base = check_trim_pending(eng, rec)
     with pytest.raises(ValueError, match="holds"):
         eng.rollback_to(base + 13)
     with pytest.raises(ValueError, match="holds"):
@@ -395,19 +381,4 @@ def test_an_inexact_commit_is_named_as_the_state_before_the_row(served):
 
 
 def test_the_trace_verbs_have_their_verbs_arithmetic(served):
-    eng, twin = build(served), build(served)
-    ids = [5, 17, 2, 99, 43]
-    a = eng.trace_forward(ids)
-    b = twin.forward(ids, all_logits=True)
-    assert isinstance(a, Trace) and torch.equal(a.logits, b) and eng.kv.length == twin.kv.length == 5
-    assert a.points[0] == "layer 0 attention" and a.points[-1] == "final norm"
-    assert len(a.points) == 2 * 2 + 1 and all(r.shape == (5, 64) for r in a.rows)
-    assert torch.equal(a.rows[-1], twin.hidden_post_norm())
-    t = eng.trace_tree([7, 8, 9], [-1, 0, 0])
-    v = twin.forward_tree(torch.tensor([7, 8, 9]), torch.tensor([-1, 0, 0]))
-    assert torch.equal(t.logits, v.logits) and all(r.shape == (3, 64) for r in t.rows)
-    eng.commit_tree([0, 2])                                      # the traced tree is left verified
-    twin.commit_tree([0, 2])
-    assert_same_state(eng.state, twin.state)
-    d = eng.trace_forward([11])                                  # a decode step's trace: its own row
-    assert torch.equal(d.logits, twin.forward([11], all_logits=True))
+    check_trace_verbs(build(served), build(served), "layer 0 attention", 2 * 2 + 1, 64)

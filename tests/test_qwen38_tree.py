@@ -24,7 +24,7 @@ from conftest_qwen38 import load_engine, prompt, qwen38_ckpts  # noqa: F401  (fi
 
 from tree_checks import (Recorded, assert_same_state, check_chains, check_forward_settles,  # noqa: E402
                          check_oracle_speculation, check_random_tree, check_rejected_branches,
-                         check_second_tree, path_to, plain_rows_of_tree, random_tree)
+                         check_second_tree, check_trim_pending, path_to, plain_rows_of_tree, random_tree)
 from tandem_core import ops
 from tandem_core.engine import ResumableEngine, TreeEngine
 from tandem_core.linear import DenseLinear
@@ -111,22 +111,7 @@ def test_verify_and_commit_refuse_what_they_cannot_do(eng, rec):
 
 
 def test_trim_pending_and_rollback_replay_plain_decode(eng, rec):
-    base = rec.start.length
-    eng.state.restore(rec.state_at(5))
-    for a, b in [(5, 8), (8, 10), (10, 14)]:                    # three commits, never settled: 9 pending
-        eng.forward_block(rec.tokens[a:b])
-        eng.commit_tree(range(b - a))
-    assert_same_state(eng.state, rec.state_at(14))
-    eng.trim_pending(4)
-    assert_same_state(eng.state, rec.state_at(10), "after trim_pending(4)")
-    eng.rollback_to(base + 7)
-    assert_same_state(eng.state, rec.state_at(7), "after rollback_to")
-    out = eng.forward_block(rec.tokens[7:12])                   # verify on from the rolled-back state
-    assert all(torch.equal(out.logits[j], rec.rows[7 + j]) for j in range(5))
-    eng.commit_tree(range(5))
-    assert_same_state(eng.state, rec.state_at(12), "after committing again")
-    with pytest.raises(ValueError, match="7 tokens are pending"):
-        eng.trim_pending(8)
+    base = check_trim_pending(eng, rec)
     with pytest.raises(ValueError, match=f"only pending tokens can be taken back \\(positions {base + 5}"):
         eng.rollback_to(base + 4)
     with pytest.raises(ValueError, match="holds"):

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest_qwen38 import load_engine, qwen38_ckpts  # noqa: F401  (fixture)
-from tree_checks import check_a_batched_linear_fails_at_width_two
+from tree_checks import check_a_batched_linear_fails_at_width_two, check_trace_verbs
 
-from tandem_core.spec.selfcheck import LayerTrace, SelfCheck, Trace, run_selfcheck
+from tandem_core.spec.selfcheck import LayerTrace, SelfCheck, run_selfcheck
 
 WIDTH = 16
 
@@ -235,18 +235,6 @@ def test_an_engine_without_trees_or_one_that_raises_fails_the_check(qwen38_ckpts
 
 
 def test_the_trace_verbs_have_their_verbs_arithmetic(qwen38_ckpts):
-    eng = build(qwen38_ckpts)
-    twin = build(qwen38_ckpts)
-    ids = [5, 17, 2, 99, 43]
-    a = eng.trace_forward(ids)
-    b = twin.forward(ids, all_logits=True)
-    assert isinstance(a, Trace) and torch.equal(a.logits, b) and eng.kv.length == twin.kv.length == 5
-    assert a.points[0] == "layer 0 linear_attention mixer" and a.points[-1] == "final norm"
-    assert len(a.points) == 2 * 4 + 1 and all(r.shape == (5, 64) for r in a.rows)
-    assert torch.equal(a.rows[-1], twin.hidden_post_norm())
-    t = eng.trace_tree([7, 8, 9], [-1, 0, 0])
-    v = twin.forward_tree(torch.tensor([7, 8, 9]), torch.tensor([-1, 0, 0]))
-    assert torch.equal(t.logits, v.logits) and all(r.shape == (3, 64) for r in t.rows)
-    eng.commit_tree([0, 2])                                      # the traced tree is left verified
-    twin.commit_tree([0, 2])
+    eng, twin = build(qwen38_ckpts), build(qwen38_ckpts)
+    check_trace_verbs(eng, twin, "layer 0 linear_attention mixer", 2 * 4 + 1, 64)
     assert torch.equal(eng.state.sections["gdn.S"], twin.state.sections["gdn.S"])

@@ -14,7 +14,7 @@ from tandem_core.state import ModelState
 __all__ = ["Recorded", "path_to", "walk", "carries", "assert_same_state", "random_tree", "oracle_tree",
            "plain_rows_of_tree", "check_chains", "check_random_tree", "check_rejected_branches",
            "check_second_tree", "check_forward_settles", "check_oracle_speculation",
-           "check_a_batched_linear_fails_at_width_two"]
+           "check_a_batched_linear_fails_at_width_two", "check_trim_pending", "check_trace_verbs"]
 
 
 class Recorded:
@@ -296,3 +296,48 @@ def check_a_batched_linear_fails_at_width_two(build, gemm, k: int, layer: str) -
     assert not res.ok and res.mismatch is not None
     assert res.mismatch.width == 2 and res.mismatch.layer == layer
     assert "width 2" in res.first_mismatch and layer in res.first_mismatch
+
+
+def check_trim_pending(eng, rec) -> int:
+    """Three unsettled commits, ``trim_pending`` and a rollback inside them land on plain decode's states, and
+    verifying on from there is plain; returns the prompt's length (what the callers' rollbacks count from)."""
+    base = rec.start.length
+    eng.state.restore(rec.state_at(5))
+    for a, b in [(5, 8), (8, 10), (10, 14)]:                    # three commits, never settled: 9 pending
+        eng.forward_block(rec.tokens[a:b])
+        eng.commit_tree(range(b - a))
+    assert_same_state(eng.state, rec.state_at(14))
+    eng.trim_pending(4)
+    assert_same_state(eng.state, rec.state_at(10), "after trim_pending(4)")
+    eng.rollback_to(base + 7)
+    assert_same_state(eng.state, rec.state_at(7), "after rollback_to")
+    out = eng.forward_block(rec.tokens[7:12])                   # verify on from the rolled-back state
+    assert all(torch.equal(out.logits[j], rec.rows[7 + j]) for j in range(5))
+    eng.commit_tree(range(5))
+    assert_same_state(eng.state, rec.state_at(12), "after committing again")
+    with pytest.raises(ValueError, match="7 tokens are pending"):
+        eng.trim_pending(8)
+    return base
+
+
+def check_trace_verbs(eng, twin, first_point: str, points: int, width: int) -> None:
+    """``trace_forward`` and ``trace_tree`` compute what ``forward`` and ``forward_tree`` compute (``twin``
+    runs those), with ``points`` rows of ``width`` from ``first_point`` to the final norm, and leave the sequence
+    and the verified tree as they do."""
+    from tandem_core.spec.selfcheck import Trace
+
+    ids = [5, 17, 2, 99, 43]
+    a = eng.trace_forward(ids)
+    b = twin.forward(ids, all_logits=True)
+    assert isinstance(a, Trace) and torch.equal(a.logits, b) and eng.kv.length == twin.kv.length == 5
+    assert a.points[0] == first_point and a.points[-1] == "final norm"
+    assert len(a.points) == points and all(r.shape == (5, width) for r in a.rows)
+    assert torch.equal(a.rows[-1], twin.hidden_post_norm())
+    t = eng.trace_tree([7, 8, 9], [-1, 0, 0])
+    v = twin.forward_tree(torch.tensor([7, 8, 9]), torch.tensor([-1, 0, 0]))
+    assert torch.equal(t.logits, v.logits) and all(r.shape == (3, width) for r in t.rows)
+    eng.commit_tree([0, 2])                                      # the traced tree is left verified
+    twin.commit_tree([0, 2])
+    assert_same_state(eng.state, twin.state)
+    d = eng.trace_forward([11])                                  # a decode step's trace: its own row
+    assert torch.equal(d.logits, twin.forward([11], all_logits=True))
