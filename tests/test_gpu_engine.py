@@ -33,11 +33,12 @@ import pytest
 import torch
 
 from conftest_qwen38 import build_text, load_engine, prompt
+from tree_checks import flat_prices
 
 from tandem_core import ops
 from tandem_core.drafter import Proposal, Requirements
 from tandem_core.engine import ResumableEngine, TreeEngine
-from tandem_core.spec.cut import PriceTable, StairCut
+from tandem_core.spec.cut import StairCut
 from tandem_core.spec.loop import Decode, DecodeRequest
 from tandem_core.spec.sampler import SamplingParams
 from tandem_core.spec.selfcheck import run_selfcheck
@@ -332,12 +333,6 @@ class Oracle:
 
     def reset(self) -> None:
         pass
-
-
-def flat_prices() -> PriceTable:
-    return PriceTable.from_dict({"format": "tandem-prices", "version": 1, "model": "tiny", "profile": "bf16",
-                                 "device": "cuda", "contexts": [0, 100000], "widths": [1, 129],
-                                 "ms": [[1.0, 1.02], [1.0, 1.02]]})
 
 
 def run(decode_cls, engine, ids, max_tokens, stop_ids=(), **kw):

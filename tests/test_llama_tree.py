@@ -24,7 +24,7 @@ import pytest
 import torch
 from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixture)
 
-from tree_checks import (Recorded, assert_same_state, check_a_batched_linear_fails_at_width_two,  # noqa: E402
+from tree_checks import (Recorded, flat_prices, assert_same_state, check_a_batched_linear_fails_at_width_two,  # noqa: E402
                          check_chains, check_forward_settles, check_oracle_speculation, check_random_tree,
                          check_rejected_branches, check_second_tree, check_trace_verbs, check_trim_pending, path_to,
                          plain_rows_of_tree, random_tree)
@@ -267,14 +267,6 @@ class IdDetok:
 
     def flush(self) -> str:
         return ""
-
-
-def flat_prices():
-    from tandem_core.spec.cut import PriceTable
-
-    return PriceTable.from_dict({"format": "tandem-prices", "version": 1, "model": "tiny", "profile": "fp32",
-                                 "device": "cpu", "contexts": [0, 4096], "widths": [1, 33],
-                                 "ms": [[1.0, 1.1], [1.0, 1.1]]})
 
 
 PROMPTS = [prompt(8 + 3 * i, seed=100 + i) for i in range(14)] + [

@@ -99,4 +99,5 @@ def test_metrics_and_log_carry_tokens_per_round(servers):
     text = httpx.get(spec.url + "/metrics").text
     tpr = float(re.search(r"^tandem_spec_tokens_per_round (\S+)$", text, re.M).group(1))
     assert tpr > 1.5, text
+    assert re.search(r"^tandem_spec_explore_rounds_total \d+$", text, re.M), text
     assert re.search(r"tokens_per_round=\d+\.\d+ acceptance=\d\.\d+", spec.log_text())

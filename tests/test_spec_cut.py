@@ -259,3 +259,39 @@ def test_observe_walk_counts_only_nodes_whose_parent_was_accepted():
     # node 0 (both sources) accepted; its children 1, 2, 4 tried, 2 accepted; node 3's parent (1) was not
     assert sorted(seen) == sorted([(0.5, True, "a"), (0.4, True, "b"), (0.6, False, "a"), (0.7, True, "a"),
                                    (0.3, False, "b")])
+
+
+def run_rounds(sc: StairCut, tree: TokenTree, true_accept: float, rounds: int, rng: random.Random) -> int:
+    """The loop's use of the cut: ``cut_round``, a walk of the kept chain, ``observe_walk``; kept nodes."""
+    kept = 0
+    for _ in range(rounds):
+        r = sc.cut_round(tree, 1000)
+        kept += len(r.keep)
+        path = []
+        for i in range(len(r.tree)):
+            if rng.random() >= true_accept:
+                break
+            path.append(i)
+        sc.observe_walk(r.tree, path)
+    return kept
+
+
+def test_a_cut_that_keeps_nothing_explores_and_learns_again():
+    tree = TokenTree.from_proposal(Proposal.chain(range(8), [0.9] * 8, "d"))
+    prices = table(lambda n, L: 10.0 + 1.0 * n)
+    # every 16 rounds in a row that keep nothing, one round keeps the best non-empty cut
+    steep = StairCut(table(lambda n, L: 10.0 * n ** 2))
+    kept = [len(steep.cut_round(tree, 1000).keep) for _ in range(51)]
+    assert kept == ([0] * 16 + [1]) * 3 and steep.explored == 3
+    assert steep.cut(tree, 1000).keep == () and steep.explored == 3      # ``cut`` itself never explores
+    assert StairCut(prices).cut_round(TokenTree.empty(), 1000).keep == ()  # nothing drafted, nothing to explore
+    # a drafter that missed everything at first, then turns good: the exploring cut finds out, the other never
+    outcomes = {}
+    for every in (16, 0):
+        sc = StairCut(prices, explore_every=every)
+        rng = random.Random(7)
+        run_rounds(sc, tree, 0.0, 1300, rng)
+        assert sc.cut(tree, 1000).keep == ()                            # calibrated down to nothing
+        outcomes[every] = run_rounds(sc, tree, 0.95, 400, rng), len(sc.cut(tree, 1000).keep)
+    assert outcomes[0] == (0, 0)
+    assert outcomes[16][1] >= 4 and outcomes[16][0] > 400, outcomes

@@ -103,9 +103,13 @@ def test_stop_id_inside_an_accepted_run():
 
 def test_steep_prices_mean_plain_rounds():
     steep = prices(200.0)
-    e1, e2 = ToyTreeEngine(), ToyTreeEngine()
-    target = TargetInfo.of(e1.caps, tokenizer=None, vocab_size=e1.vocab)
-    spec = Speculation([build_drafter("lookup", target)], StairCut(steep, max_tree=32), 32)
-    want, _ = run(Decode, e2, PROMPTS[1], SamplingParams(temperature=0.0))
-    got, dec = run(SpecDecode, e1, PROMPTS[1], SamplingParams(temperature=0.0), speculation=spec)
-    assert got == want and dec.stats.accepted == 0 and dec.stats.drafted == 0
+    want, _ = run(Decode, ToyTreeEngine(), PROMPTS[1], SamplingParams(temperature=0.0))
+    for every in (0, 16):
+        e1 = ToyTreeEngine()
+        target = TargetInfo.of(e1.caps, tokenizer=None, vocab_size=e1.vocab)
+        spec = Speculation([build_drafter("lookup", target)], StairCut(steep, max_tree=32, explore_every=every), 32)
+        got, dec = run(SpecDecode, e1, PROMPTS[1], SamplingParams(temperature=0.0), speculation=spec)
+        assert got == want
+        # plain rounds, but for one node verified after every 16 rounds in a row that kept nothing
+        assert dec.stats.drafted == spec.cut.explored <= dec.stats.rounds // 17, (every, dec.stats)
+        assert (spec.cut.explored > 0) == (every > 0)

@@ -9,9 +9,16 @@ import random
 import pytest
 import torch
 
+from tandem_core.spec.cut import PriceTable
 from tandem_core.state import ModelState
 
-__all__ = ["Recorded", "path_to", "walk", "carries", "assert_same_state", "random_tree", "oracle_tree",
+
+def flat_prices(widest: int = 129) -> PriceTable:
+    """A nearly flat verify price up to ``widest`` rows: the cut keeps every drafted node it believes in, so a
+    test of speculation does not depend on how long its verifies happened to take."""
+    return PriceTable((1, widest), (0, 100000), ((1.0, 1.02), (1.0, 1.02)))
+
+__all__ = ["flat_prices", "Recorded", "path_to", "walk", "carries", "assert_same_state", "random_tree", "oracle_tree",
            "plain_rows_of_tree", "check_chains", "check_random_tree", "check_rejected_branches",
            "check_second_tree", "check_forward_settles", "check_oracle_speculation",
            "check_a_batched_linear_fails_at_width_two", "check_trim_pending", "check_trace_verbs"]

@@ -90,6 +90,7 @@ class ServerSpeculation:
                 "max_tree": self.max_tree, "selfcheck": self.selfcheck,
                 "rounds": t.rounds, "tokens_per_round": round(t.tokens_per_round, 3),
                 "acceptance": round(t.acceptance, 4),
+                "explored": sum(s.cut.explored for s in self.per_engine if s),
                 "prices": [("file" if s.cut.table is not None else "online") for s in self.per_engine if s]}
 
     def metric_lines(self) -> list[str]:
@@ -110,6 +111,10 @@ class ServerSpeculation:
             "# HELP tandem_spec_accepted_total Drafted nodes accepted.",
             "# TYPE tandem_spec_accepted_total counter",
             f"tandem_spec_accepted_total {t.accepted}",
+            "# HELP tandem_spec_explore_rounds_total Rounds widened to explore after a run of rounds that kept "
+            "no drafted node.",
+            "# TYPE tandem_spec_explore_rounds_total counter",
+            f"tandem_spec_explore_rounds_total {sum(s.cut.explored for s in self.per_engine if s)}",
             "# HELP tandem_spec_tokens_per_round Tokens per round since start.",
             "# TYPE tandem_spec_tokens_per_round gauge",
             f"tandem_spec_tokens_per_round {t.tokens_per_round:.4f}",

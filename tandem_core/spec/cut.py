@@ -8,7 +8,8 @@ where a node's acceptance is the calibrated chance that it is on the accepted
 path, ``k`` the kept nodes and ``L`` the context length. For each ``k`` the
 nodes are taken best-first on acceptance (a node only after its parent, so
 every candidate set is a tree), the ratio is evaluated for every ``k`` from 0
-(plain decode) to ``max_tree``, and the best wins. The name: on a GPU the price
+(plain decode) to ``max_tree``, and the best wins (``cut``; the loop's ``cut_round`` explores
+after a run of rounds that kept nothing, see ``StairCut``). The name: on a GPU the price
 of a verify is a staircase in its width (flat within a tile, a step at the
 next), so the best cut often sits just below a step.
 
@@ -396,20 +397,35 @@ class StairCut:
     online      the online price learner (used when ``prices`` is None; fed by ``observe`` always)
     calibration the acceptance calibration
 
-    The loop calls, each round: ``cut(tree, L)``; after the verify, ``observe(rows, L, ms)``
+    explore_every  after this many loop rounds in a row whose cut kept nothing of a drafted tree, the
+                next round verifies the best cut that keeps something (0: never)
+
+    The loop calls, each round: ``cut_round(tree, L)``; after the verify, ``observe(rows, L, ms)``
     with the rows the forward carried and its measured time; after the walk,
-    ``observe_walk(cut.tree, result.path_nodes)``.
+    ``observe_walk(cut.tree, result.path_nodes)``. ``cut`` is the same choice without the
+    exploration and without state.
+
+    Why explore: a cut that keeps nothing teaches nothing. The calibration learns only from
+    verified nodes and the online prices only from verified widths, so a drafter whose calibrated
+    acceptance once fell, or a width whose one measurement met a slow moment, would never be
+    verified again, whatever the drafter does later. One widened round in ``explore_every + 1``
+    keeps both measured; its cost is bounded by that share of one round's extra rows.
     """
 
     def __init__(self, prices: PriceTable | None = None, *, max_tree: int = 64, base_rows: int = 1,
-                 online: OnlinePrices | None = None, calibration: Calibration | None = None) -> None:
-        if max_tree < 0 or base_rows < 0:
-            raise ValueError(f"StairCut: max_tree ({max_tree}) and base_rows ({base_rows}) must be >= 0")
+                 online: OnlinePrices | None = None, calibration: Calibration | None = None,
+                 explore_every: int = 16) -> None:
+        if max_tree < 0 or base_rows < 0 or explore_every < 0:
+            raise ValueError(f"StairCut: max_tree ({max_tree}), base_rows ({base_rows}) and explore_every "
+                             f"({explore_every}) must be >= 0")
         self.table = prices
         self.max_tree = max_tree
         self.base_rows = base_rows
         self.online = online if online is not None else OnlinePrices()
         self.calibration = calibration if calibration is not None else Calibration()
+        self.explore_every = explore_every
+        self.explored = 0             # rounds whose cut was widened to explore
+        self._idle = 0                # rounds in a row whose cut kept nothing of a drafted tree
 
     @classmethod
     def for_model(cls, model: str, profile: str, device: str, *, dirs: Iterable[str | Path] | None = None,
@@ -486,6 +502,21 @@ class StairCut:
 
     def cut(self, tree: TokenTree, context_len: int, max_tree: int | None = None) -> CutResult:
         """The node set (closed under ancestors) with the best expected tokens per ms."""
+        return self._choose(tree, context_len, max_tree, explore=False)
+
+    def cut_round(self, tree: TokenTree, context_len: int, max_tree: int | None = None) -> CutResult:
+        """The cut a loop round verifies: ``cut``'s, except that after ``explore_every`` rounds in a row
+        whose cut kept nothing of a drafted tree, the best cut that keeps at least one node."""
+        explore = 0 < self.explore_every <= self._idle
+        r = self._choose(tree, context_len, max_tree, explore=explore)
+        if r.keep:
+            self.explored += int(explore)
+            self._idle = 0
+        elif len(tree) and (self.max_tree if max_tree is None else max_tree) > 0:
+            self._idle += 1
+        return r
+
+    def _choose(self, tree: TokenTree, context_len: int, max_tree: int | None, *, explore: bool) -> CutResult:
         limit = self.max_tree if max_tree is None else max_tree
         k_max = min(len(tree), max(limit, 0))
         acc = self.acceptance(tree)
@@ -494,7 +525,10 @@ class StairCut:
         rows = np.maximum(self.base_rows + np.arange(len(order) + 1), 1)
         price = self.curve(context_len, int(rows[-1]))[rows - 1]
         rate = gains / price
-        k = int(np.argmax(rate))
+        if explore and len(order) and np.isfinite(price[1:]).any():
+            k = 1 + int(np.argmax(rate[1:]))
+        else:
+            k = int(np.argmax(rate))
         keep = tuple(sorted(order[:k]))
         return CutResult(tree.subtree(keep), keep, float(gains[k]), float(price[k]), float(rate[k]))
 

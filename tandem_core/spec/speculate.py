@@ -115,7 +115,7 @@ class SpecDecode(Decode):
         tree = TokenTree.merge(d.propose(context, budget) for d in self.spec.drafters)
         if len(tree) == 0:
             return tree
-        return self.spec.cut.cut(tree, len(context), budget).tree
+        return self.spec.cut.cut_round(tree, len(context), budget).tree
 
     def verify(self, tree: TokenTree) -> torch.Tensor:
         (pending,) = self.pending
