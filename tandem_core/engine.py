@@ -46,6 +46,8 @@ class Capabilities:
     dtype: str = "fp32"
     workspace_bytes_per_token: int = 0  # prefill scratch per row it runs (for the memory gate); 0: generic
     trace: bool = False         # trace_forward / trace_tree: per-layer rows (spec.selfcheck.LayerTrace)
+    prefill_chunk: int = 0      # rows a long forward runs at a time, counted from the call's first token;
+                                # forwards split at multiples of it give the same bits (0: not said)
 
 
 class MemoryPart(NamedTuple):

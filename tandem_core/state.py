@@ -95,17 +95,25 @@ class ModelState:
                  for k, v in self.views.items()}
         return ModelState(secs, views, n)
 
-    def restore(self, snap: "ModelState") -> None:
-        """Copy ``snap`` into this state's tensors in place; refuses another shape or dtype, naming the tensor."""
+    def restore(self, snap: "ModelState", length: int | None = None) -> None:
+        """Copy ``snap`` into this state's tensors in place; refuses another shape or dtype, naming the tensor.
+
+        ``length`` (default ``snap.length``): the sequence's length afterwards, when the buffers past
+        ``snap.length`` up to it still hold the sequence (a parked state: only the rows something else
+        wrote over were kept, the sections are the state after ``length`` tokens)."""
         self.check_compatible(snap)
+        n = snap.length if length is None else int(length)
+        for k, v in snap.views.items():
+            mine = self.views[k]
+            if max(n, snap.length) > mine.capacity:
+                raise StateMismatch(f"view {k!r}: {max(n, snap.length)} tokens exceed its capacity {mine.capacity}")
+        if n < snap.length:
+            raise StateMismatch(f"restore to {n} tokens of a snapshot holding {snap.length}")
         for k, v in snap.sections.items():
             self.sections[k].copy_(v)
         for k, v in snap.views.items():
-            mine = self.views[k]
-            if snap.length > mine.capacity:
-                raise StateMismatch(f"view {k!r}: snapshot of {snap.length} tokens exceeds capacity {mine.capacity}")
-            mine.head(snap.length).copy_(v.head(snap.length))
-        self.length = snap.length
+            self.views[k].head(snap.length).copy_(v.head(snap.length))
+        self.length = n
 
     def resume(self, n: int, sections: Mapping[str, torch.Tensor] | None = None) -> None:
         """Take the sequence back to ``n`` tokens in place: copy ``sections`` (the recurrent state after

@@ -33,10 +33,9 @@ import pytest
 import torch
 
 from conftest_qwen38 import build_text, load_engine, prompt
-from tree_checks import flat_prices
+from tree_checks import Oracle, flat_prices
 
 from tandem_core import ops
-from tandem_core.drafter import Proposal, Requirements
 from tandem_core.engine import ResumableEngine, TreeEngine
 from tandem_core.spec.cut import StairCut
 from tandem_core.spec.loop import Decode, DecodeRequest
@@ -299,42 +298,6 @@ class IdDetok:
         return ""
 
 
-class Oracle:
-    """Drafts the plain greedy continuation (``truth``), a wrong token now and then, a distractor sibling."""
-
-    name = "oracle"
-
-    def __init__(self, truth: list[int], seed: int) -> None:
-        self.truth = truth
-        self.rng = random.Random(seed)
-        self.n0 = 0
-
-    def requires(self) -> Requirements:
-        return Requirements()
-
-    def begin(self, prompt_ids) -> None:
-        self.n0 = len(prompt_ids)
-
-    def propose(self, context_ids, max_nodes: int) -> Proposal:
-        g = len(context_ids) - self.n0                     # the answer's tokens so far
-        k = min(max_nodes - 1, self.rng.randint(1, 12))
-        chain = list(self.truth[g:g + k])
-        if not chain or k < 1:
-            return Proposal.empty(self.name)
-        bad = self.rng.randint(0, len(chain) + 3)
-        if bad < len(chain):
-            chain[bad] = (chain[bad] + 1) % VOCAB
-        tokens = chain + [(chain[0] + 7) % VOCAB]
-        parents = list(range(-1, len(chain) - 1)) + [-1]
-        return Proposal(tuple(tokens), tuple(parents), tuple([0.9] * len(chain) + [0.3]), self.name)
-
-    def accepted(self, tokens) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-
 def run(decode_cls, engine, ids, max_tokens, stop_ids=(), **kw):
     req = DecodeRequest(list(ids), max_tokens, SamplingParams(temperature=0.0), frozenset(stop_ids))
     dec = decode_cls(engine, req, IdDetok(), **kw)
@@ -352,7 +315,7 @@ def test_greedy_speculative_decoding_equals_plain_greedy(eng):
         want, _ = run(Decode, eng, ids, max_tokens, stops)          # plain greedy: the reference
         assert want == full[:len(want)]
         plain_state = eng.state.clone()
-        spec = Speculation([Oracle(full + [0] * 16, seed=i)], StairCut(flat_prices(), max_tree=32), 32)
+        spec = Speculation([Oracle(full + [0] * 16, seed=i, vocab=VOCAB)], StairCut(flat_prices(), max_tree=32), 32)
         got, dec = run(SpecDecode, eng, ids, max_tokens, stops, speculation=spec)
         assert got == want, f"case {i}"
         assert same_state(eng.state, plain_state) == [], f"case {i}: the engine holds what plain decode holds"

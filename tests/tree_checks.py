@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from tandem_core.drafter import Proposal, Requirements
 from tandem_core.spec.cut import PriceTable
 from tandem_core.state import ModelState
 
@@ -18,10 +19,48 @@ def flat_prices(widest: int = 129) -> PriceTable:
     test of speculation does not depend on how long its verifies happened to take."""
     return PriceTable((1, widest), (0, 100000), ((1.0, 1.02), (1.0, 1.02)))
 
-__all__ = ["flat_prices", "Recorded", "path_to", "walk", "carries", "assert_same_state", "random_tree", "oracle_tree",
+__all__ = ["flat_prices", "Oracle", "Recorded", "path_to", "walk", "carries", "assert_same_state", "random_tree", "oracle_tree",
            "plain_rows_of_tree", "check_chains", "check_random_tree", "check_rejected_branches",
            "check_second_tree", "check_forward_settles", "check_oracle_speculation",
            "check_a_batched_linear_fails_at_width_two", "check_trim_pending", "check_trace_verbs"]
+
+
+class Oracle:
+    """A drafter of the plain greedy continuation (``truth``, the answer's tokens), a wrong token now and then
+    and a distractor sibling: speculation with deep accepted paths on a model whose own text never repeats."""
+
+    name = "oracle"
+
+    def __init__(self, truth: list[int], seed: int, vocab: int) -> None:
+        self.truth = truth
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+        self.n0 = 0
+
+    def requires(self) -> Requirements:
+        return Requirements()
+
+    def begin(self, prompt_ids) -> None:
+        self.n0 = len(prompt_ids)
+
+    def propose(self, context_ids, max_nodes: int) -> Proposal:
+        g = len(context_ids) - self.n0                     # the answer's tokens so far
+        k = min(max_nodes - 1, self.rng.randint(1, 12))
+        chain = list(self.truth[g:g + k])
+        if not chain or k < 1:
+            return Proposal.empty(self.name)
+        bad = self.rng.randint(0, len(chain) + 3)
+        if bad < len(chain):
+            chain[bad] = (chain[bad] + 1) % self.vocab
+        tokens = chain + [(chain[0] + 7) % self.vocab]
+        parents = list(range(-1, len(chain) - 1)) + [-1]
+        return Proposal(tuple(tokens), tuple(parents), tuple([0.9] * len(chain) + [0.3]), self.name)
+
+    def accepted(self, tokens) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
 
 
 class Recorded:

@@ -43,14 +43,16 @@ def human_bytes(n: int | float) -> str:
 
 
 class Need(NamedTuple):
-    """Bytes a prefill needs: ``workspace`` + ``views`` = ``total``."""
+    """Bytes a prefill needs: ``workspace`` + ``views`` (+ ``parked``: a side-lane request's copy of the rows
+    and state it displaces) = ``total``."""
 
     workspace: int
     views: int
+    parked: int = 0
 
     @property
     def total(self) -> int:
-        return self.workspace + self.views
+        return self.workspace + self.views + self.parked
 
 
 class GateResult(NamedTuple):
@@ -70,7 +72,8 @@ class MemoryGateError(MemoryError):
         where = f"under the declared peak of {human_bytes(peak)}" if peak else "on the device"
         super().__init__(
             f"memory gate: a prompt of {prompt_len} tokens needs {need.total} bytes ({human_bytes(need.total)}: "
-            f"workspace {human_bytes(need.workspace)} + views {human_bytes(need.views)}) but {available} bytes "
+            f"workspace {human_bytes(need.workspace)} + views {human_bytes(need.views)}"
+            f"{f' + parked state {human_bytes(need.parked)}' if need.parked else ''}) but {available} bytes "
             f"({human_bytes(available)}) are available {where}, and the caches could give back only "
             f"{releasable} bytes ({human_bytes(releasable)})")
 
@@ -137,9 +140,10 @@ class MemoryGate:
         return cls(workspace, view_bytes_per_token, tiers, peak_bytes=int(SETTINGS.get("MEM_PEAK")),
                    base_bytes=base_bytes, device=device)
 
-    def need(self, prompt_len: int, start: int = 0) -> Need:
-        """Bytes a prefill of ``prompt_len`` tokens resuming at ``start`` needs."""
-        return Need(int(self.workspace(prompt_len)), self.view_bytes_per_token * max(0, prompt_len - start))
+    def need(self, prompt_len: int, start: int = 0, parked: int = 0) -> Need:
+        """Bytes a prefill of ``prompt_len`` tokens resuming at ``start`` needs (plus ``parked`` bytes)."""
+        return Need(int(self.workspace(prompt_len)), self.view_bytes_per_token * max(0, prompt_len - start),
+                    int(parked))
 
     def held(self) -> int:
         return sum(t.stats().bytes for t in self.tiers)
@@ -149,9 +153,10 @@ class MemoryGate:
             return self.peak - self.base - self.held()
         return int(self._measure())
 
-    def check(self, prompt_len: int, start: int = 0) -> GateResult:
-        """Admit a prefill, releasing caches cheapest first if needed; ``MemoryGateError`` if it cannot fit."""
-        need = self.need(prompt_len, start)
+    def check(self, prompt_len: int, start: int = 0, parked: int = 0) -> GateResult:
+        """Admit a prefill, releasing caches cheapest first if needed; ``MemoryGateError`` if it cannot fit.
+        ``parked``: bytes held besides for the prefill's sake (a side-lane request's parked state)."""
+        need = self.need(prompt_len, start, parked)
         have = self.available()
         if have >= need.total:
             return GateResult(need, have, ())

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -117,8 +117,11 @@ class CacheStack:
         if engine.caps.resume:
             engine.resume_at(n)  # type: ignore[attr-defined]  # ResumableEngine, said by caps
 
-    def prefill(self, engine: Engine, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> Prefilled:
-        """The engine holds ``tokens`` afterwards; returns the last position's logits and where it started."""
+    def prefill(self, engine: Engine, tokens: Sequence[int] | np.ndarray | torch.Tensor, *,
+                between: Callable[[], None] | None = None) -> Prefilled:
+        """The engine holds ``tokens`` afterwards; returns the last position's logits and where it started.
+        ``between`` (optional) is called between two chunks (a safe point: the engine holds the chunks so
+        far and nothing else)."""
         toks = as_tokens(tokens)
         total = len(toks)
         if total == 0:
@@ -150,6 +153,8 @@ class CacheStack:
             where = PrefillStart(tier.name, hit.start, total)
         logits: torch.Tensor | None = None
         for a, b in self.resident.chunks(where.start, total, self.chunk):
+            if between is not None and a > where.start:
+                between()
             logits = engine.forward(torch.from_numpy(toks[a:b].copy()))
             self.resident.commit(toks[a:b], engine.state)
         self.resident.mark_end(engine.state, PROMPT_END)
@@ -158,9 +163,10 @@ class CacheStack:
         self.last = where
         return Prefilled(logits, where)
 
-    def start(self, engine: Engine, prompt: Sequence[int]) -> torch.Tensor:
+    def start(self, engine: Engine, prompt: Sequence[int], *, between: Callable[[], None] | None = None
+              ) -> torch.Tensor:
         """``spec.loop.prefill``'s signature: the prompt's last logits ``[1, V]``."""
-        return self.prefill(engine, prompt).logits
+        return self.prefill(engine, prompt, between=between).logits
 
     # -- after the prefill ------------------------------------------------------------------
     def commit(self, engine: Engine, tokens: Sequence[int] | torch.Tensor) -> None:

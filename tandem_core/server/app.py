@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -39,6 +39,7 @@ from tandem_core.server.grammar import Grammars
 from tandem_core.server.ledger import Ledger, UsageRow
 from tandem_core.server.metrics import Metrics
 from tandem_core.server.prepare import Job, ModelNotServed, prepare_chat, prepare_completion
+from tandem_core.server.sidelane import SideJob, SideLane, is_short
 from tandem_core.server.stream import (
     SSE_DONE, ChatAnswer, ChatChunks, Delta, TextAnswer, TextChunks, Usage, sse, sse_comment,
 )
@@ -91,6 +92,8 @@ class ServerState:
         self.caches: ServerCaches | None = (build_caches(served, engines, options.caches)
                                             if options.caches is not None else None)
         self.admission = Admission(engines, options.queue)
+        gate = self.caches.gate if self.caches is not None else None
+        self.lanes = [SideLane(served, options.queue, gate, enabled=e.caps.resume) for e in engines]
         self.pool = ThreadPoolExecutor(len(engines), thread_name_prefix="tandem-engine")
         cap = served.engine.caps.max_context
         self.max_context = min(options.max_context, cap) if cap > 0 else options.max_context
@@ -103,6 +106,12 @@ class ServerState:
 
     def _metric_lines(self) -> list[str]:
         lines = self.spec.metric_lines()
+        lines += ["# HELP tandem_side_lane_total Short requests served inside a running generation.",
+                  "# TYPE tandem_side_lane_total counter",
+                  f"tandem_side_lane_total {sum(lane.total for lane in self.lanes)}",
+                  "# HELP tandem_side_lane_waiting Short requests waiting for a safe point.",
+                  "# TYPE tandem_side_lane_waiting gauge",
+                  f"tandem_side_lane_waiting {sum(len(lane) for lane in self.lanes)}"]
         if self.caches is not None:
             lines += self.caches.metric_lines()
         return lines
@@ -121,16 +130,17 @@ class ServerState:
         self.active.add(cancel)
 
         caches = self.caches.engine(slot.index) if self.caches is not None else None
+        lane = self.lanes[slot.index]
+        lane.open = True            # short requests may now wait for this generation's safe points
 
         def work() -> Outcome:
             t0 = time.perf_counter()
             try:
                 spec = self.spec.for_slot(slot.index)
-                if caches is None:
-                    outcome = run_job(slot.engine, job, self.served, emit, cancel, spec=spec)
-                else:
-                    with caches.busy:
-                        outcome = run_job(slot.engine, job, self.served, emit, cancel, caches, spec=spec)
+                with caches.busy if caches is not None else nullcontext():
+                    outcome = run_job(slot.engine, job, self.served, emit, cancel, caches, spec=spec,
+                                      safe_point=lambda: lane.serve(slot.engine))
+                    lane.serve(slot.engine)     # what came during the last step
                 self.record(job, outcome, queued_s)
                 return outcome
             finally:
@@ -145,7 +155,55 @@ class ServerState:
     def _returned(self, slot: Slot, held: float, cancel: threading.Event) -> None:
         self.active.discard(cancel)
         self.admission.served(held)
+        self._free(slot)
+
+    def _free(self, slot: Slot) -> None:
+        """On the event loop: close the slot's side lane and give the slot back, unless a short request
+        came after the worker's last look (offers run on this loop too): then serve it first."""
+        lane = self.lanes[slot.index]
+        if len(lane):
+            loop = asyncio.get_running_loop()
+            caches = self.caches.engine(slot.index) if self.caches is not None else None
+
+            def drain() -> None:
+                try:
+                    with caches.busy if caches is not None else nullcontext():
+                        lane.serve(slot.engine)
+                finally:
+                    try:
+                        loop.call_soon_threadsafe(self._free, slot)
+                    except RuntimeError:  # the loop is gone (shutdown)
+                        pass
+
+            self.pool.submit(drain)
+            return
+        lane.open = False
         self.admission.release(slot)
+
+    def side(self, job: Job, emit: Callable[[Delta], None]) -> tuple[asyncio.Future[Outcome], threading.Event] | None:
+        """A short request served by a running generation at its next safe point, or None (no lane open
+        with room: it takes its place in the queue)."""
+        lanes = [lane for lane in self.lanes if lane.has_room()]
+        if not lanes:
+            return None
+        lane = min(lanes, key=len)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Outcome] = loop.create_future()
+        t0 = time.perf_counter()
+
+        def done(outcome: Outcome) -> None:
+            self.record(job, outcome, 0.0, lane="side")
+            try:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(outcome))
+            except RuntimeError:  # the loop is gone (shutdown)
+                pass
+
+        side = SideJob(job, emit, done, t_offer=t0)
+        if not lane.offer(side):
+            return None
+        self.active.add(side.cancel)
+        fut.add_done_callback(lambda _f: self.active.discard(side.cancel))
+        return fut, side.cancel
 
     def admit(self, job: Job, slot: Slot) -> None:
         """The memory gate before the request runs: ``MemoryGateError`` for a prompt that can never fit."""
@@ -158,7 +216,7 @@ class ServerState:
                  job.rid, job.endpoint, len(job.decode.prompt), exc.need.total, exc.available, exc.releasable)
         self.metrics.reject("memory_gate")
 
-    def record(self, job: Job, out: Outcome, queued_s: float) -> None:
+    def record(self, job: Job, out: Outcome, queued_s: float, lane: str | None = None) -> None:
         """The request's log line, metrics and ledger row (counts and times, never text)."""
         now = time.perf_counter()
         ttft = None if out.t_first is None else out.t_first - job.t_arrival
@@ -169,11 +227,11 @@ class ServerState:
                 f" spec_rounds={out.spec.rounds} tokens_per_round={out.spec.tokens_per_round:.2f}"
                 f" acceptance={out.spec.acceptance:.2f}")
         log.info("req=%s endpoint=%s prompt=%d completion=%d finish=%s prefill=%s ttft=%s decode=%s "
-                 "queued=%.2fs total=%.2fs%s%s%s", job.rid, job.endpoint, out.prompt_tokens,
+                 "queued=%.2fs total=%.2fs%s%s%s%s", job.rid, job.endpoint, out.prompt_tokens,
                  out.completion_tokens, out.finish,
                  prefill, "-" if ttft is None else f"{ttft:.3f}s",
                  "-" if out.decode_rate is None else f"{out.decode_rate:.1f}tok/s", queued_s, now - job.t_arrival,
-                 spec, capped, f" error={out.error.split(':')[0]}" if out.error else "")
+                 spec, capped, f" lane={lane}" if lane else "", f" error={out.error.split(':')[0]}" if out.error else "")
         if out.status == 507:
             self.metrics.reject("memory_gate")
         self.metrics.request(job.endpoint, out.finish, out.prompt_tokens, out.completion_tokens, ttft,
@@ -246,6 +304,10 @@ async def _disconnected(request: Any) -> bool:
 
 class ClientGone(Exception):
     """The client disconnected while its request waited for an engine."""
+
+
+class _NoLane(Exception):
+    """No side lane had room after all: the short request queues like any other."""
 
 
 async def _wait_slot(request: Any, ticket: Ticket, timeout: float | None) -> Slot | None:
@@ -343,7 +405,9 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             "memory": [{"name": m.name, "bytes": m.nbytes, "device": m.device} for m in eng.memory_parts()],
             "engine": {"device": eng.caps.device, "dtype": eng.caps.dtype, "max_context": state.max_context,
                        "engines": len(state.admission.slots), "busy": state.admission.busy,
-                       "waiting": len(state.admission.waiting), "queue": state.admission.limit},
+                       "waiting": len(state.admission.waiting), "queue": state.admission.limit,
+                       "side_lane": {"waiting": sum(len(lane) for lane in state.lanes),
+                                     "served": sum(lane.total for lane in state.lanes)}},
             "caches": state.caches.health() if state.caches is not None else {"enabled": False},
             "speculation": state.spec.health(),
             "info": info,
@@ -373,6 +437,10 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             return _error(400, exc.message, param=exc.field)
         except ModelNotServed as exc:
             return _error(404, str(exc), param="model", code="model_not_found")
+        if is_short(job) and not state.admission.free:
+            answer = await side(request, job)
+            if answer is not None:
+                return answer
         try:
             ticket = state.admission.enter()
         except QueueFull as exc:
@@ -401,15 +469,46 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
         except BaseException:
             state.admission.leave(ticket)
             raise
-        return await whole(request, job, slot, t_queue)
+        return await whole(request, job, lambda emit: state.launch(job, slot, emit, time.perf_counter() - t_queue))
 
-    async def whole(request: Request, job: Job, slot: Slot, t_queue: float) -> Any:
+    async def side(request: Request, job: Job) -> Any:
+        """A short request while every engine is busy: served at a running generation's next safe point;
+        None when no lane has room (it then queues like any other)."""
+        if job.stream:
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[Delta | None] = asyncio.Queue()
+            got = state.side(job, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
+            if got is None:
+                return None
+            fut, cancel = got
+            fut.add_done_callback(lambda _f: queue.put_nowait(None))
+            return _GuardedStream(relayed(job, fut, cancel, queue), cancel.set, media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
+        launched = False
+
+        def launch(emit: Callable[[Delta], None]) -> tuple[asyncio.Future[Outcome], threading.Event]:
+            nonlocal launched
+            got = state.side(job, emit)
+            if got is None:
+                raise _NoLane()
+            launched = True
+            return got
+
+        try:
+            return await whole(request, job, launch)
+        except _NoLane:
+            assert not launched
+            return None
+
+    async def whole(request: Request, job: Job,
+                    launch: Callable[[Callable[[Delta], None]], tuple[asyncio.Future[Outcome], threading.Event]]
+                    ) -> Any:
         answer: ChatAnswer | TextAnswer
         if job.endpoint == "chat":
             answer = ChatAnswer(job.rid, job.model, job.created, logprobs=job.logprobs)
         else:
             answer = TextAnswer(job.rid, job.model, job.created, logprobs=job.logprobs)
-        fut, cancel = state.launch(job, slot, answer.add, time.perf_counter() - t_queue)
+        fut, cancel = launch(answer.add)
         try:
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=0.25)
@@ -450,33 +549,47 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             fut, cancel = state.launch(job, slot, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d),
                                        time.perf_counter() - t_queue)
             fut.add_done_callback(lambda _f: queue.put_nowait(None))
-            chunks: ChatChunks | TextChunks
-            if job.endpoint == "chat":
-                chunks = ChatChunks(job.rid, job.model, job.created, include_usage=job.include_usage,
-                                    logprobs=job.logprobs)
-                yield sse(chunks.first())
-            else:
-                chunks = TextChunks(job.rid, job.model, job.created, include_usage=job.include_usage,
-                                    logprobs=job.logprobs)
-            while (d := await queue.get()) is not None:
-                yield sse(chunks.delta(d))
-            out = fut.result()
-            if out.finish == "error" and out.status == 507:
-                yield sse({"error": {"message": out.error, "type": "server_error",
-                                     "param": _prompt_field(job), "code": "memory_gate"}})
-            elif out.finish == "error":
-                yield sse({"error": {"message": f"generation failed: {out.error}", "type": "server_error",
-                                     "param": None, "code": None}})
-            else:
-                yield sse(chunks.finish(out.finish))
-                if job.include_usage:
-                    yield sse(chunks.usage(Usage(out.prompt_tokens, out.completion_tokens, out.reasoning_tokens)))
-            yield SSE_DONE
+            async for part in answer_events(job, fut, queue):
+                yield part
         finally:
             if cancel is not None:
                 cancel.set()  # a no-op after a finished decode; stops one whose client went away
             else:
                 state.admission.leave(ticket)
+
+    async def relayed(job: Job, fut: asyncio.Future[Outcome], cancel: threading.Event,
+                      queue: asyncio.Queue[Delta | None]) -> AsyncIterator[bytes]:
+        try:
+            async for part in answer_events(job, fut, queue):
+                yield part
+        finally:
+            cancel.set()  # a no-op after a finished decode; stops one whose client went away
+
+    async def answer_events(job: Job, fut: asyncio.Future[Outcome], queue: asyncio.Queue[Delta | None]
+                            ) -> AsyncIterator[bytes]:
+        """A launched generation's events: the first chunk, its deltas, the finish (or error), usage, DONE."""
+        chunks: ChatChunks | TextChunks
+        if job.endpoint == "chat":
+            chunks = ChatChunks(job.rid, job.model, job.created, include_usage=job.include_usage,
+                                logprobs=job.logprobs)
+            yield sse(chunks.first())
+        else:
+            chunks = TextChunks(job.rid, job.model, job.created, include_usage=job.include_usage,
+                                logprobs=job.logprobs)
+        while (d := await queue.get()) is not None:
+            yield sse(chunks.delta(d))
+        out = fut.result()
+        if out.finish == "error" and out.status == 507:
+            yield sse({"error": {"message": out.error, "type": "server_error",
+                                 "param": _prompt_field(job), "code": "memory_gate"}})
+        elif out.finish == "error":
+            yield sse({"error": {"message": f"generation failed: {out.error}", "type": "server_error",
+                                 "param": None, "code": None}})
+        else:
+            yield sse(chunks.finish(out.finish))
+            if job.include_usage:
+                yield sse(chunks.usage(Usage(out.prompt_tokens, out.completion_tokens, out.reasoning_tokens)))
+        yield SSE_DONE
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:

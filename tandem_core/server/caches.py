@@ -179,9 +179,9 @@ class _SharedGate(MemoryGate):
         super().__init__(*args, **kw)
         self._lock = threading.RLock()
 
-    def check(self, prompt_len: int, start: int = 0) -> GateResult:
+    def check(self, prompt_len: int, start: int = 0, parked: int = 0) -> GateResult:
         with self._lock:
-            return super().check(prompt_len, start)
+            return super().check(prompt_len, start, parked)
 
 
 class EngineCaches:
@@ -200,10 +200,11 @@ class EngineCaches:
         """``Decode(..., **hooks)``: the cached prefill and the hooks that follow the sequence."""
         return {"start": self.start, "on_forwarded": self.forwarded, "on_end": self.ended}
 
-    def start(self, engine: Engine, prompt: Sequence[int]) -> torch.Tensor:
+    def start(self, engine: Engine, prompt: Sequence[int], *, between: Callable[[], None] | None = None
+              ) -> torch.Tensor:
         """``spec.loop.prefill``'s signature: prefill through the stack, remembering where it started."""
         self.last = None
-        pre = self.stack.prefill(engine, prompt)
+        pre = self.stack.prefill(engine, prompt, between=between)
         self.last = pre.start
         return pre.logits
 

@@ -9,6 +9,9 @@ where the prefill started. It never raises for a decode error: the outcome says
 With ``spec`` (the engine's ``Speculation``) the decode is ``SpecDecode``: drafters, one
 verify forward a round, the walk; the output is the plain decode's token for token.
 
+With ``safe_point`` the decode calls it at every safe point (the server's side lane serves
+short requests there; ``server.sidelane``).
+
 With ``caches`` (the engine's ``server.caches.EngineCaches``) the prefill goes through the
 cache stack and the stack follows every token the engine commits; the generation's end
 anchors the session, also when it was cancelled. A prompt the memory gate refuses
@@ -101,11 +104,13 @@ class _Reader:
 
 def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], None],
             cancel: threading.Event, caches: EngineCaches | None = None, *,
-            spec: Speculation | None = None) -> Outcome:
+            spec: Speculation | None = None, safe_point: Callable[[], None] | None = None) -> Outcome:
     from tandem_core.server.detok import StreamDetokenizer
 
     req = job.decode
     hooks: dict[str, Any] = caches.decode_hooks() if caches is not None else {}
+    if safe_point is not None:
+        hooks["safe_point"] = safe_point
     detok = StreamDetokenizer(served.tokenizer)
     dec: Decode
     if spec is not None:

@@ -77,11 +77,21 @@ class Chunk(NamedTuple):
     finish: str | None
 
 
-def prefill(engine: Engine, prompt: Sequence[int]) -> torch.Tensor:
-    """Start a sequence: the engine holds ``prompt``; returns the last position's logits ``[1, V]``."""
+def prefill(engine: Engine, prompt: Sequence[int], *, between: Callable[[], None] | None = None) -> torch.Tensor:
+    """Start a sequence: the engine holds ``prompt``; returns the last position's logits ``[1, V]``.
+
+    ``between`` (optional) is called between two prefill chunks (a safe point): the prompt is then
+    forwarded in pieces of the engine's ``caps.prefill_chunk`` rows, which the engine would have run one
+    at a time anyway, so the rows are the same bits. An engine that does not say its chunk runs whole."""
     engine.reset()
     ids = torch.as_tensor(list(prompt), dtype=torch.long)  # [T]
-    return engine.forward(ids)
+    piece = engine.caps.prefill_chunk
+    if between is None or piece <= 0 or len(ids) <= piece:
+        return engine.forward(ids)
+    for s in range(0, len(ids) - piece, piece):
+        engine.forward(ids[s:s + piece])
+        between()
+    return engine.forward(ids[(len(ids) - 1) // piece * piece:])
 
 
 class StopStrings:
@@ -126,14 +136,19 @@ class Decode:
     ``start`` is the prefill (``prefill``, or a cache stack's ``start``: same signature);
     ``on_forwarded(tokens)`` is told each time the engine appended committed tokens after the
     prefill (a cache tier follows the sequence through it); ``on_end()`` is called once when the
-    generation ends without an error (a finish, a cancel, or the caller closing ``run()``).
+    generation ends without an error (a finish, a cancel, or the caller closing ``run()``);
+    ``safe_point()`` (optional) is called at every safe point: between two prefill chunks (``start``
+    gets it as ``between``) and before every step. There the engine holds exactly the committed
+    sequence (nothing verified or pending in it), so whatever runs there may use the engine if it
+    gives the state back byte for byte (the server's side lane does).
     """
 
     def __init__(self, engine: Engine, request: DecodeRequest, detok: Detokenizer, *,
                  constraint: Constraint | None = None, cancel: threading.Event | None = None,
                  start: Callable[[Engine, Sequence[int]], torch.Tensor] = prefill,
                  on_forwarded: Callable[[Sequence[int]], None] | None = None,
-                 on_end: Callable[[], None] | None = None) -> None:
+                 on_end: Callable[[], None] | None = None,
+                 safe_point: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.req = request
         self.detok = detok
@@ -142,6 +157,7 @@ class Decode:
         self.start = start
         self.on_forwarded = on_forwarded
         self.on_end = on_end
+        self.safe_point = safe_point
         self.sampler = Sampler(request.sampling)
         self.stops = StopStrings(request.stop_strings)
         self.generated: list[int] = []
@@ -168,8 +184,13 @@ class Decode:
 
     def _run(self) -> Iterator[Chunk]:
         with torch.inference_mode():
-            self._logits = self.start(self.engine, self.req.prompt)  # [1, V]
+            if self.safe_point is None:
+                self._logits = self.start(self.engine, self.req.prompt)  # [1, V]
+            else:
+                self._logits = self.start(self.engine, self.req.prompt, between=self.safe_point)
             while self.finish is None:
+                if self.safe_point is not None:
+                    self.safe_point()
                 if self.cancel.is_set():
                     self.finish = FINISH_CANCELLED
                     yield Chunk((), "", (), FINISH_CANCELLED)

@@ -204,8 +204,8 @@ class _LiveState(ModelState):
         super().__init__({}, views, 0)
         self._on_change = on_change
 
-    def restore(self, snap: ModelState) -> None:
-        super().restore(snap)
+    def restore(self, snap: ModelState, length: int | None = None) -> None:
+        super().restore(snap, length)
         self._on_change()
 
     def resume(self, n: int, sections: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -271,6 +271,7 @@ class LlamaEngine:
             device=device,
             dtype="fp32",
             trace=True,
+            prefill_chunk=self.prefill_chunk,
         )
         self._ops: dict[str, Callable[..., Any]] = {name: ops.get(name, device) for name in ENGINE_OPS}
         L, nkv, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim

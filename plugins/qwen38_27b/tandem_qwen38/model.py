@@ -127,8 +127,8 @@ class LiveState(ModelState):
     def length(self, n: int) -> None:
         self._kv.length = int(n)
 
-    def restore(self, snap: ModelState) -> None:
-        super().restore(snap)
+    def restore(self, snap: ModelState, length: int | None = None) -> None:
+        super().restore(snap, length)
         self._on_change()
 
     def resume(self, n: int, sections: Any = None) -> None:
@@ -280,7 +280,7 @@ class Qwen38Engine:
         self.caps = Capabilities(tree=True, resume=True, recurrent=True, max_context=self.max_context,
                                  max_tree=self.max_tree, hidden_layers=(),
                                  device="cuda" if dev.type == "cuda" else str(dev),
-                                 dtype=weights.dtype, trace=self._cuda is None)
+                                 dtype=weights.dtype, trace=self._cuda is None, prefill_chunk=self.prefill_chunk)
 
     def _build_cuda(self, widths: tuple[int, ...]) -> None:
         """The CUDA graph path over this engine's buffers: fused weights (shared by every engine over these

@@ -1,0 +1,150 @@
+"""The side lane's engine half: a running generation parks its sequence at a safe point, another generation
+runs to its end on the same engine, the sequence comes back byte for byte.
+
+On both real engines (the tiny Llama GGUF and the tiny Qwen3.8 GDN hybrid, recurrent state included), plain
+and speculative: short generations run at safe points between prefill chunks and between decode steps; the
+interrupted generation's tokens and final state (every section, every view row) equal the uninterrupted
+run's bit for bit, and each short generation equals the same request run alone on a fresh engine.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixture)
+
+from conftest_qwen38 import load_engine, qwen38_ckpts  # noqa: F401  (fixture)
+from tandem_core.drafter import TargetInfo, build_drafter
+from tandem_core.server.sidelane import SHORT_OUTPUT_TOKENS, SHORT_PROMPT_TOKENS, Parked
+from tandem_core.spec.cut import StairCut
+from tandem_core.spec.loop import Decode, DecodeRequest
+from tandem_core.spec.sampler import SamplingParams
+from tandem_core.spec.speculate import SpecDecode, Speculation
+from tandem_core.state import StateMismatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_checks import Oracle, assert_same_state, flat_prices  # noqa: E402
+
+CHUNK = 16          # prefill chunk of the engines here: a 70-token prompt is five chunks, four safe points
+
+
+class IdDetok:
+    def push(self, t: int) -> str:
+        return f"<{t}>"
+
+    def flush(self) -> str:
+        return ""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugins_and_one_thread(llama_plugins_one_thread):
+    yield
+
+
+@pytest.fixture(scope="module")
+def llama_engines(tmp_path_factory, bpe):  # noqa: F811
+    from tandem_llama.serving import serve
+
+    from tandem_core.serving import ServeArgs, ServeContext
+
+    path = write_gguf(tmp_path_factory.mktemp("side_llama") / "tiny.gguf", _hf_model(False, seed=5), bpe, {})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_LLAMA_PREFILL_CHUNK", str(CHUNK))
+        served = serve(ServeArgs(model_id="tiny", path=path, max_context=256, options={}), ServeContext())
+    return [served.engine, served.spawn(), served.spawn()], served.tokenizer.vocab_size
+
+
+@pytest.fixture(scope="module")
+def qwen38_engines(qwen38_ckpts):  # noqa: F811
+    path = qwen38_ckpts.text.path
+    return ([load_engine(path, prefill_chunk=CHUNK) for _ in range(3)],
+            qwen38_ckpts.text.raw_config["vocab_size"])
+
+
+@pytest.fixture(params=["llama", "qwen38"])
+def engines(request):
+    return request.getfixturevalue(f"{request.param}_engines")
+
+
+def ids(n: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab - 8) for _ in range(n)]
+
+
+def greedy(engine, prompt, n, *, safe_point=None, spec=None) -> list[int]:
+    req = DecodeRequest(prompt, n, SamplingParams(temperature=0.0))
+    if spec is not None:
+        dec = SpecDecode(engine, req, IdDetok(), speculation=spec, safe_point=safe_point)
+    else:
+        dec = Decode(engine, req, IdDetok(), safe_point=safe_point)
+    out = [t for c in dec.run() for t in c.tokens]
+    if spec is not None:
+        dec.finish_stats()
+    return out
+
+
+def speculation(engine, vocab, truth):
+    """The lookup drafter and an oracle of the true continuation: deep accepted paths, trimmed ones too."""
+    target = TargetInfo.of(engine.caps, tokenizer=None, vocab_size=vocab)
+    return Speculation([build_drafter("lookup", target), Oracle(truth + [0] * 16, seed=3, vocab=vocab)],
+                       StairCut(flat_prices(), max_tree=8), 8)
+
+
+@pytest.mark.parametrize("mode", ["plain", "spec"])
+def test_a_parked_generation_continues_bit_for_bit(engines, mode):
+    (ref, main, alone), vocab = engines
+    unit = ids(5, vocab, 1)
+    prompt = (unit * 20)[:70]          # repetitive: the lookup drafter has something to propose
+    sides = [ids(n, vocab, 10 + n) for n in (9, 23, 40)]
+    plain = greedy(ref, prompt, 30)
+    spec = (lambda e: speculation(e, vocab, plain)) if mode == "spec" else (lambda e: None)
+
+    ref_spec = spec(ref)
+    want = greedy(ref, prompt, 30, spec=ref_spec)
+    want_state = ref.state.clone()
+    assert want == plain
+    if ref_spec is not None:
+        assert ref_spec.totals.accepted >= 30 // 2, ref_spec.totals
+    want_sides = [greedy(alone, s, 12) for s in sides]
+
+    calls, got_sides, lengths = [0], [], []
+
+    def safe_point() -> None:
+        calls[0] += 1
+        if calls[0] in (2, 5, 9) and len(got_sides) < len(sides):   # 2: mid-prefill, 5, 9: between decode steps
+            side = sides[len(got_sides)]
+            lengths.append(main.kv.length)
+            parked = Parked(main, len(side) + 12)
+            got_sides.append(greedy(main, side, 12))
+            parked.restore(main)
+
+    got = greedy(main, prompt, 30, safe_point=safe_point, spec=spec(main))
+    assert lengths[0] == 2 * CHUNK, lengths   # the second safe point sits between prefill chunks 2 and 3
+    assert lengths[1] >= len(prompt) and len(got_sides) == 3
+    assert got == want
+    assert_same_state(main.state, want_state, "after the parked generation ended")
+    assert got_sides == want_sides
+
+
+def test_parking_copies_only_the_rows_the_other_use_can_write(engines):
+    (eng, _, _), vocab = engines
+    greedy(eng, ids(60, vocab, 3), 4)
+    state = eng.state
+    parked = Parked(eng, 20)
+    assert parked.length == state.length == 63
+    assert parked.snap.length == 20
+    assert parked.nbytes == Parked.bytes_for(eng, 20) == state.section_bytes() + 20 * state.view_bytes_per_token()
+    assert Parked(eng, 1000).snap.length == 63           # never more than the sequence
+    # a restore to fewer tokens than the snapshot holds, or past a view's capacity, is refused, naming it
+    with pytest.raises(StateMismatch, match="restore to 10 tokens of a snapshot holding 20"):
+        state.restore(parked.snap, 10)
+    with pytest.raises(StateMismatch, match="exceed its capacity"):
+        state.restore(parked.snap, 100000)
+
+
+def test_the_short_request_limits_are_the_seeds():
+    assert (SHORT_PROMPT_TOKENS, SHORT_OUTPUT_TOKENS) == (2048, 64)
