@@ -113,3 +113,15 @@ def test_real_tiers_release_least_recompute_per_byte_first():
     res = gate.check(10)                # then the anchor at 64: the latest (100) goes last
     assert res.released == (("resident", anchor),)
     assert [a.position for a in resident.anchors()] == [100]
+
+
+def test_a_side_lane_prompt_counts_the_parked_state():
+    log: list = []
+    a = FakeTier("a", [1], log)
+    gate = MemoryGate(lambda n: 10 * n, 2, [a], peak_bytes=10_000, base_bytes=1_000)
+    # 8,900 available (peak - base - the 100 cached); the prompt alone needs 1,200
+    assert gate.check(100, 0, parked=7_700).released == ()                       # fits as it is
+    with pytest.raises(MemoryGateError, match=r"workspace 1000 B \+ views 200 B \+ parked state 7.62 KiB"):
+        gate.check(100, 0, parked=7_801)                                         # even with the cache given back
+    assert log == []
+    assert gate.check(100, 0, parked=7_750).released == (("a", 100),)          # with the cache given back
