@@ -106,7 +106,8 @@ class ModelState:
         for k, v in snap.views.items():
             mine = self.views[k]
             if max(n, snap.length) > mine.capacity:
-                raise StateMismatch(f"view {k!r}: {max(n, snap.length)} tokens exceed its capacity {mine.capacity}")
+                what = f"snapshot of {snap.length}" if snap.length >= n else f"sequence of {n}"
+                raise StateMismatch(f"view {k!r}: {what} tokens exceeds capacity {mine.capacity}")
         if n < snap.length:
             raise StateMismatch(f"restore to {n} tokens of a snapshot holding {snap.length}")
         for k, v in snap.sections.items():
