@@ -69,13 +69,14 @@ class CacheOptions:
 
     ``directory``       this model's disk tier and spill (None: ``<TANDEM_HOME>/cache/<model id>``)
     ``mem_peak``        the declared peak in bytes (None: ``TANDEM_MEM_PEAK``; 0: measure the device)
-    ``chunk``           prefill chunk of the cache stack (tokens; chunks also split at anchor points)
+    ``chunk``           prefill chunk of the cache stack (tokens; chunks also split at anchor points;
+                        0: the engine's ``caps.prefill_chunk``, 512 when it says none)
     ``keep_displaced``  a resident session losing at least this many tokens goes to the store first
     """
 
     directory: Path | None = None
     mem_peak: int | None = None
-    chunk: int = 512
+    chunk: int = 0
     keep_displaced: int = 256
 
 
@@ -450,10 +451,11 @@ def build_caches(served: Served, engines: Sequence[Engine], options: CacheOption
         residents: list[ResidentPrefix] = [resident_cls.build(ctx) for _ in engines]
         peak = int(SETTINGS.get("MEM_PEAK")) if options.mem_peak is None else int(options.mem_peak)
         gated: list[Releasable] = [*residents, *(t for t in lower if isinstance(t, Releasable))]
-        gate = _SharedGate(workspace_estimate(first, options.chunk, served.tokenizer.vocab_size),
+        chunk = options.chunk or first.caps.prefill_chunk or 512
+        gate = _SharedGate(workspace_estimate(first, chunk, served.tokenizer.vocab_size),
                            first.state.view_bytes_per_token(), gated, peak_bytes=peak,
                            base_bytes=base_bytes(engines), device=first.caps.device)
-        caches = [EngineCaches(i, e, CacheStack(r, lower, gate=gate, chunk=options.chunk,
+        caches = [EngineCaches(i, e, CacheStack(r, lower, gate=gate, chunk=chunk,
                                                 keep_displaced=options.keep_displaced), gate)
                   for i, (e, r) in enumerate(zip(engines, residents))]
     except BaseException:
