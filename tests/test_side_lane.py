@@ -55,14 +55,16 @@ def llama_engines(tmp_path_factory, bpe):  # noqa: F811
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_LLAMA_PREFILL_CHUNK", str(CHUNK))
         served = serve(ServeArgs(model_id="tiny", path=path, max_context=256, options={}), ServeContext())
-    return [served.engine, served.spawn(), served.spawn()], served.tokenizer.vocab_size
+    return [served.engine, served.spawn(), served.spawn()], served.tokenizer.vocab_size, served.tokenizer
 
 
 @pytest.fixture(scope="module")
 def qwen38_engines(qwen38_ckpts):  # noqa: F811
+    from tandem_core.tokenizer import HFTokenizer
+
     path = qwen38_ckpts.text.path
     return ([load_engine(path, prefill_chunk=CHUNK) for _ in range(3)],
-            qwen38_ckpts.text.raw_config["vocab_size"])
+            qwen38_ckpts.text.raw_config["vocab_size"], HFTokenizer.from_dir(path))
 
 
 @pytest.fixture(params=["llama", "qwen38"])
@@ -75,12 +77,12 @@ def ids(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab - 8) for _ in range(n)]
 
 
-def greedy(engine, prompt, n, *, safe_point=None, spec=None) -> list[int]:
+def greedy(engine, prompt, n, *, safe_point=None, spec=None, hooks=None) -> list[int]:
     req = DecodeRequest(prompt, n, SamplingParams(temperature=0.0))
     if spec is not None:
-        dec = SpecDecode(engine, req, IdDetok(), speculation=spec, safe_point=safe_point)
+        dec = SpecDecode(engine, req, IdDetok(), speculation=spec, safe_point=safe_point, **(hooks or {}))
     else:
-        dec = Decode(engine, req, IdDetok(), safe_point=safe_point)
+        dec = Decode(engine, req, IdDetok(), safe_point=safe_point, **(hooks or {}))
     out = [t for c in dec.run() for t in c.tokens]
     if spec is not None:
         dec.finish_stats()
@@ -94,9 +96,25 @@ def speculation(engine, vocab, truth):
                        StairCut(flat_prices(), max_tree=8), 8)
 
 
-@pytest.mark.parametrize("mode", ["plain", "spec"])
-def test_a_parked_generation_continues_bit_for_bit(engines, mode):
-    (ref, main, alone), vocab = engines
+def server_caches(engine, tok, directory):
+    """The server's cache wiring over ``engine`` (the stack's prefill in chunks of CHUNK, the memory gate)."""
+    from tandem_core.server.caches import CacheOptions, build_caches
+    from tandem_core.serving import Served
+
+    caches = build_caches(Served("side", engine, tok, chat_template=""), [engine],
+                          CacheOptions(directory=directory, chunk=CHUNK))
+    assert caches is not None
+    return caches
+
+
+@pytest.mark.parametrize("mode", ["plain", "spec", "cached"])
+def test_a_parked_generation_continues_bit_for_bit(engines, mode, tmp_path):
+    (ref, main, alone), vocab, tok = engines
+    opened = []
+    hooks = {}
+    if mode == "cached":   # the generations go through the cache stack; the side ones never do
+        opened = [server_caches(ref, tok, tmp_path / "ref"), server_caches(main, tok, tmp_path / "main")]
+        hooks = {e: c.engine(0).decode_hooks() for e, c in zip((ref, main), opened)}
     unit = ids(5, vocab, 1)
     prompt = (unit * 20)[:70]          # repetitive: the lookup drafter has something to propose
     sides = [ids(n, vocab, 10 + n) for n in (9, 23, 40)]
@@ -104,7 +122,7 @@ def test_a_parked_generation_continues_bit_for_bit(engines, mode):
     spec = (lambda e: speculation(e, vocab, plain)) if mode == "spec" else (lambda e: None)
 
     ref_spec = spec(ref)
-    want = greedy(ref, prompt, 30, spec=ref_spec)
+    want = greedy(ref, prompt, 30, spec=ref_spec, hooks=hooks.get(ref))
     want_state = ref.state.clone()
     assert want == plain
     if ref_spec is not None:
@@ -122,16 +140,22 @@ def test_a_parked_generation_continues_bit_for_bit(engines, mode):
             got_sides.append(greedy(main, side, 12))
             parked.restore(main)
 
-    got = greedy(main, prompt, 30, safe_point=safe_point, spec=spec(main))
+    got = greedy(main, prompt, 30, safe_point=safe_point, spec=spec(main), hooks=hooks.get(main))
     assert lengths[0] == 2 * CHUNK, lengths   # the second safe point sits between prefill chunks 2 and 3
     assert lengths[1] >= len(prompt) and len(got_sides) == 3
     assert got == want
     assert_same_state(main.state, want_state, "after the parked generation ended")
     assert got_sides == want_sides
+    if opened:   # the resident prefix followed the parked generation, not the side ones
+        ref_stack, main_stack = (c.engine(0).stack for c in opened)
+        assert main_stack.resident.tokens == ref_stack.resident.tokens == tuple(prompt + got[:-1])
+        assert main_stack.resident.length == main.kv.length == len(prompt) + 29
+        for c in opened:
+            c.close()
 
 
 def test_parking_copies_only_the_rows_the_other_use_can_write(engines):
-    (eng, _, _), vocab = engines
+    (eng, _, _), vocab, _ = engines
     greedy(eng, ids(60, vocab, 3), 4)
     state = eng.state
     parked = Parked(eng, 20)
