@@ -189,16 +189,17 @@ class ServerState:
         lane = min(lanes, key=len)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
-        t0 = time.perf_counter()
+        held: list[SideJob] = []
 
         def done(outcome: Outcome) -> None:
-            self.record(job, outcome, 0.0, lane="side")
+            self.record(job, outcome, held[0].waited, lane="side")
             try:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(outcome))
             except RuntimeError:  # the loop is gone (shutdown)
                 pass
 
-        side = SideJob(job, emit, done, t_offer=t0)
+        side = SideJob(job, emit, done)
+        held.append(side)
         if not lane.offer(side):
             return None
         self.active.add(side.cancel)

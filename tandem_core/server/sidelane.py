@@ -94,6 +94,12 @@ class SideJob:
     done: Callable[[Outcome], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     t_offer: float = field(default_factory=time.perf_counter)
+    t_start: float | None = None        # when a safe point took it up
+
+    @property
+    def waited(self) -> float:
+        """Seconds from the offer to the safe point that took it up (so far, before that)."""
+        return (self.t_start if self.t_start is not None else time.perf_counter()) - self.t_offer
 
     @property
     def rows(self) -> int:
@@ -137,7 +143,9 @@ class SideLane:
             batch = list(self._jobs)
             self._jobs.clear()
         live: list[SideJob] = []
+        now = time.perf_counter()
         for side in batch:
+            side.t_start = now
             if side.cancel.is_set():
                 self._finish(side, Outcome("cancelled", len(side.job.decode.prompt), 0, 0, None, None))
             else:
