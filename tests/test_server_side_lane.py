@@ -29,19 +29,23 @@ NO_END = {"0": -100, "2": -100}     # <|endoftext|>, <|im_end|>: the long answer
 LONG = 700
 
 
-@pytest.fixture(scope="module")
-def server(qwen38_ckpts, tmp_path_factory):  # noqa: F811
+def start(path, home, **env):
     env = {"TANDEM_EXTRA_PLUGINS": "tandem_qwen38.plugin,tandem_drafters.plugin",
            "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT), str(ROOT / "plugins" / "qwen38_27b"),
-                                          str(ROOT / "plugins" / "drafters")])}
-    srv = Server(qwen38_ckpts.text.path, tmp_path_factory.mktemp("side"), "--spec", "lookup", "--max-tree", "8",
-                 "--max-context", "1024", env=env)
+                                          str(ROOT / "plugins" / "drafters")]), **env}
+    srv = Server(path, home, "--spec", "lookup", "--max-tree", "8", "--max-context", "1024", env=env)
+    srv.wait_ready(120)
+    deadline = time.monotonic() + 120
+    while httpx.get(srv.url + "/health").json()["speculation"]["reason"] == "self-check running":
+        assert time.monotonic() < deadline, "the self-check did not finish"
+        time.sleep(0.2)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(qwen38_ckpts, tmp_path_factory):  # noqa: F811
+    srv = start(qwen38_ckpts.text.path, tmp_path_factory.mktemp("side"))
     try:
-        srv.wait_ready(120)
-        deadline = time.monotonic() + 120
-        while httpx.get(srv.url + "/health").json()["speculation"]["reason"] == "self-check running":
-            assert time.monotonic() < deadline, "the self-check did not finish"
-            time.sleep(0.2)
         yield srv
     finally:
         srv.stop()
@@ -135,3 +139,19 @@ def test_short_requests_are_served_inside_a_running_generation(server):
 def test_health_counts_the_side_lane(server):
     eng = httpx.get(server.url + "/health").json()["engine"]
     assert eng["side_lane"]["waiting"] == 0 and eng["side_lane"]["served"] >= 0
+
+
+def test_with_the_side_lane_off_a_short_request_queues(qwen38_ckpts, tmp_path):  # noqa: F811
+    srv = start(qwen38_ckpts.text.path, tmp_path, TANDEM_SIDE_LANE="0")
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=300)
+        long = Long(client)
+        long.start()
+        assert long.started.wait(120) and long.error is None, long.error
+        r = client.completions.create(model="replay-test", prompt=words(4, 20), max_tokens=10, temperature=0)
+        done_at = time.monotonic()
+        long.join(300)
+        assert r.choices[0].text and long.ended_at is not None and done_at > long.ended_at
+        assert metric(srv.url, "tandem_side_lane_total") == 0 and " lane=side" not in srv.log_text()
+    finally:
+        srv.stop()

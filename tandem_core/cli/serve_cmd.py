@@ -127,6 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
                             max_context=args.max_context,
                             ledger=Path(args.ledger).expanduser() if args.ledger else default_path(),
                             wait_comment_s=float(SETTINGS.get("WAIT_COMMENT_S")),
+                            side_lane=bool(SETTINGS.get("SIDE_LANE")),
                             caches=None if args.no_cache else CacheOptions(
                                 directory=Path(args.cache_dir).expanduser() if args.cache_dir else None,
                                 mem_peak=mem_peak),

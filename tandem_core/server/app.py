@@ -62,6 +62,7 @@ class ServerOptions:
     max_context: int = 8192
     ledger: Path | None = None          # None: no ledger
     wait_comment_s: float = 10.0        # TANDEM_WAIT_COMMENT_S
+    side_lane: bool = True              # TANDEM_SIDE_LANE: short requests served at safe points
     caches: CacheOptions | None = None  # None: no caches (every prefill cold)
     spec: SpecOptions | None = None     # None: plain decoding
 
@@ -93,7 +94,8 @@ class ServerState:
                                             if options.caches is not None else None)
         self.admission = Admission(engines, options.queue)
         gate = self.caches.gate if self.caches is not None else None
-        self.lanes = [SideLane(served, options.queue, gate, enabled=e.caps.resume) for e in engines]
+        self.lanes = [SideLane(served, options.queue, gate, enabled=options.side_lane and e.caps.resume)
+                      for e in engines]
         self.pool = ThreadPoolExecutor(len(engines), thread_name_prefix="tandem-engine")
         cap = served.engine.caps.max_context
         self.max_context = min(options.max_context, cap) if cap > 0 else options.max_context
