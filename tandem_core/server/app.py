@@ -182,13 +182,14 @@ class ServerState:
         lane.open = False
         self.admission.release(slot)
 
-    def side(self, job: Job, emit: Callable[[Delta], None]) -> tuple[asyncio.Future[Outcome], threading.Event] | None:
-        """A short request served by a running generation at its next safe point, or None (no lane open
-        with room: it takes its place in the queue)."""
-        lanes = [lane for lane in self.lanes if lane.has_room()]
-        if not lanes:
-            return None
-        lane = min(lanes, key=len)
+    def side_room(self) -> bool:
+        """Whether a running generation's side lane can take a short request now."""
+        return any(lane.has_room() for lane in self.lanes)
+
+    def side(self, job: Job, emit: Callable[[Delta], None]) -> tuple[asyncio.Future[Outcome], threading.Event]:
+        """A short request served by a running generation at its next safe point (on the event loop, right
+        after ``side_room`` said yes: nothing can close a lane in between)."""
+        lane = min((lane for lane in self.lanes if lane.has_room()), key=len)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
         held: list[SideJob] = []
@@ -202,8 +203,8 @@ class ServerState:
 
         side = SideJob(job, emit, done)
         held.append(side)
-        if not lane.offer(side):
-            return None
+        taken = lane.offer(side)
+        assert taken, "a side lane closed between side_room and side"
         self.active.add(side.cancel)
         fut.add_done_callback(lambda _f: self.active.discard(side.cancel))
         return fut, side.cancel
@@ -307,10 +308,6 @@ async def _disconnected(request: Any) -> bool:
 
 class ClientGone(Exception):
     """The client disconnected while its request waited for an engine."""
-
-
-class _NoLane(Exception):
-    """No side lane had room after all: the short request queues like any other."""
 
 
 async def _wait_slot(request: Any, ticket: Ticket, timeout: float | None) -> Slot | None:
@@ -440,10 +437,8 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             return _error(400, exc.message, param=exc.field)
         except ModelNotServed as exc:
             return _error(404, str(exc), param="model", code="model_not_found")
-        if is_short(job) and not state.admission.free:
-            answer = await side(request, job)
-            if answer is not None:
-                return answer
+        if is_short(job) and not state.admission.free and state.side_room():
+            return await side(request, job)     # no await before it is offered: the lane cannot close first
         try:
             ticket = state.admission.enter()
         except QueueFull as exc:
@@ -475,33 +470,15 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
         return await whole(request, job, lambda emit: state.launch(job, slot, emit, time.perf_counter() - t_queue))
 
     async def side(request: Request, job: Job) -> Any:
-        """A short request while every engine is busy: served at a running generation's next safe point;
-        None when no lane has room (it then queues like any other)."""
-        if job.stream:
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue[Delta | None] = asyncio.Queue()
-            got = state.side(job, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
-            if got is None:
-                return None
-            fut, cancel = got
-            fut.add_done_callback(lambda _f: queue.put_nowait(None))
-            return _GuardedStream(relayed(job, fut, cancel, queue), cancel.set, media_type="text/event-stream",
-                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
-        launched = False
-
-        def launch(emit: Callable[[Delta], None]) -> tuple[asyncio.Future[Outcome], threading.Event]:
-            nonlocal launched
-            got = state.side(job, emit)
-            if got is None:
-                raise _NoLane()
-            launched = True
-            return got
-
-        try:
-            return await whole(request, job, launch)
-        except _NoLane:
-            assert not launched
-            return None
+        """A short request while every engine is busy: served at a running generation's next safe point."""
+        if not job.stream:
+            return await whole(request, job, lambda emit: state.side(job, emit))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta | None] = asyncio.Queue()
+        fut, cancel = state.side(job, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
+        fut.add_done_callback(lambda _f: queue.put_nowait(None))
+        return _GuardedStream(relayed(job, fut, cancel, queue), cancel.set, media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
 
     async def whole(request: Request, job: Job,
                     launch: Callable[[Callable[[Delta], None]], tuple[asyncio.Future[Outcome], threading.Event]]
