@@ -27,6 +27,7 @@ from tandem_core.spec.speculate import SpecDecode, Speculation
 from tandem_core.state import StateMismatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))
 from tree_checks import Oracle, assert_same_state, flat_prices  # noqa: E402
 
 CHUNK = 16          # prefill chunk of the engines here: a 70-token prompt is five chunks, four safe points
@@ -193,3 +194,72 @@ def test_parking_copies_only_the_rows_the_other_use_can_write(engines):
 
 def test_the_short_request_limits_are_the_seeds():
     assert (SHORT_PROMPT_TOKENS, SHORT_OUTPUT_TOKENS) == (2048, 64)
+
+
+# -- the lane's bookkeeping (a toy engine; no request ever hangs) -----------------------------------------------
+def lane_job(prompt_len: int, max_tokens: int = 8):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(rid="r", decode=DecodeRequest(list(range(3, 3 + prompt_len)), max_tokens))
+
+
+def toy_lane(gate=None):
+    from toy_tree_engine import ToyTreeEngine
+
+    from tandem_core.server.sidelane import SideLane
+
+    eng = ToyTreeEngine()
+    greedy(eng, list(range(3, 40)), 5)
+    lane = SideLane(served=None, limit=4, gate=gate)
+    lane.open = True
+    return eng, lane
+
+
+def offer(lane, job):
+    from tandem_core.server.sidelane import SideJob
+
+    got = []
+    side = SideJob(job, lambda d: None, got.append)
+    assert lane.offer(side)
+    return side, got
+
+
+def test_a_side_request_that_cannot_be_parked_for_fails_alone(monkeypatch):
+    from tandem_core.server import sidelane
+
+    eng, lane = toy_lane()
+    before = eng.state.clone()
+    cancelled, c_out = offer(lane, lane_job(5))
+    cancelled.cancel.set()
+    _, out = offer(lane, lane_job(5))
+
+    def no_memory(self, engine, rows):
+        raise MemoryError("out of memory (test)")
+
+    monkeypatch.setattr(sidelane.Parked, "__init__", no_memory)
+    lane.serve(eng)
+    assert [o.finish for o in c_out] == ["cancelled"]
+    assert [o.finish for o in out] == ["error"] and "MemoryError: out of memory (test)" in out[0].error
+    assert_same_state(eng.state, before, "after a failed park")
+    assert len(lane) == 0 and lane.total == 2
+
+
+def test_the_memory_gate_refuses_a_side_request_with_its_parked_bytes():
+    from tandem_core.cache.gate import MemoryGate
+
+    seen = []
+
+    class Gate(MemoryGate):
+        def check(self, prompt_len, start=0, parked=0):
+            seen.append((prompt_len, start, parked))
+            return super().check(prompt_len, start, parked)
+
+    eng, lane = toy_lane(Gate(lambda n: 100 * n, 8, peak_bytes=10_000, base_bytes=0))
+    before = eng.state.clone()
+    _, out = offer(lane, lane_job(90, 8))           # 9,000 + 720 + parked: the section and the 41 rows held
+    lane.serve(eng)
+    parked = Parked.bytes_for(eng, 98)
+    assert seen == [(90, 0, parked)] and parked == eng.state.section_bytes() + 41 * 8 == 392
+    assert out[0].finish == "error" and out[0].status == 507 and "parked state" in out[0].error
+    assert_same_state(eng.state, before, "after a refused side request")
+    assert len(lane) == 0 and lane.total == 1

@@ -150,9 +150,8 @@ class SideLane:
                 self._finish(side, Outcome("cancelled", len(side.job.decode.prompt), 0, 0, None, None))
             else:
                 live.append(side)
-        rows = max((s.rows for s in live), default=0)
         if self.gate is not None:
-            parked = Parked.bytes_for(engine, rows)
+            parked = Parked.bytes_for(engine, max((s.rows for s in live), default=0))
             admitted = []
             for side in live:
                 n = len(side.job.decode.prompt)
@@ -166,15 +165,32 @@ class SideLane:
             live = admitted
         if not live:
             return
+        rows = max(s.rows for s in live)
         t0 = time.perf_counter()
-        parked_state = Parked(engine, rows)
         try:
+            parked_state = Parked(engine, rows)
+        except Exception as exc:   # the copy failed (memory): the engine is untouched, the generation goes on
+            log.error("side lane: parking failed: %s: %s", type(exc).__name__, exc)
             for side in live:
-                self._finish(side, run_job(engine, side.job, self.served, side.emit, side.cancel))
+                self._fail(side, exc)
+            return
+        pending = list(live)
+        try:
+            while pending:
+                side = pending[0]
+                outcome = run_job(engine, side.job, self.served, side.emit, side.cancel)
+                pending.pop(0)
+                self._finish(side, outcome)
         finally:
+            for side in pending:   # only when something raised past run_job (it catches errors)
+                self._fail(side, RuntimeError("the side lane stopped"))
             parked_state.restore(engine)
         log.info("side lane: %d request(s) served inside a generation of %d tokens in %.3fs (parked %d bytes)",
                  len(live), parked_state.length, time.perf_counter() - t0, parked_state.nbytes)
+
+    def _fail(self, side: SideJob, exc: BaseException) -> None:
+        self._finish(side, Outcome("error", len(side.job.decode.prompt), 0, 0, None, None,
+                                   f"{type(exc).__name__}: {exc}"))
 
     def _finish(self, side: SideJob, outcome: Outcome) -> None:
         self.total += 1
