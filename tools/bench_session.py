@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import _cpu_name  # noqa: E402  (one machine description for every CPU benchmark)
@@ -64,6 +65,35 @@ def tool_result(turn: int) -> str:
     return (f"$ pytest -q tests/test_core.py\n..F.{'.' * turn}\n"
             f"FAILED tests/test_core.py::test_hours_and_minutes - assert parse_duration('1h30m') == 5400, "
             f"got {5400 + 60 * turn}\n1 failed, {3 + turn} passed in 0.{10 + turn}s")
+
+
+def bench_parser(doc: str, out_name: str) -> argparse.ArgumentParser:
+    """The options every server benchmark takes: the model, its weights, the threads, where the table goes."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--weights")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "measurements" / out_name))
+    return ap
+
+
+def machine_lines(threads: int, command: str) -> list[str]:
+    """The report's lines saying where and how it ran."""
+    import torch
+
+    return [f"- CPU: {_cpu_name()}, {os.cpu_count()} cores visible, torch {torch.__version__}, "
+            f"{threads or 'default'} threads; load average before the runs: "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+            f"- Date: {time.strftime('%Y-%m-%d %H:%M')}; command: `{command}`"]
+
+
+def publish(tool: str, argv: list[str] | None, out: str, make: Callable[[str], str]) -> None:
+    """The report ``make(command)`` written to ``out`` and printed (``command``: how to run it again)."""
+    command = f"python tools/{tool} " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = make(command.strip())
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    print(text)
 
 
 def _free_port() -> int:
@@ -198,8 +228,6 @@ def _mib(n: int) -> str:
 
 def report(model: str, path: Path, off: list[Turn], on: list[Turn], threads: int, answer_tokens: int,
            command: str) -> str:
-    import torch
-
     same = all(a.answer == b.answer for a, b in zip(off, on))
     fwd_off, fwd_on = sum(t.forwarded for t in off), sum(t.forwarded for t in on)
     tt_off, tt_on = sum(t.ttft for t in off), sum(t.ttft for t in on)
@@ -212,10 +240,7 @@ def report(model: str, path: Path, off: list[Turn], on: list[Turn], threads: int
         f"tokens, sent as a streamed chat completion through the `openai` client. The same session ran on a "
         f"server with `--no-cache` and on one with the caches on (a fresh cache directory).",
         "",
-        f"- CPU: {_cpu_name()}, {os.cpu_count()} cores visible, torch {torch.__version__}, "
-        f"{threads or 'default'} threads; load average before the runs: "
-        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
-        f"- Date: {time.strftime('%Y-%m-%d %H:%M')}; command: `{command}`",
+        *machine_lines(threads, command),
         f"- The answers of the two runs are {'identical' if same else 'NOT identical'} turn for turn.",
         "- The token counts are exact; the times depend on what else ran on the CPU (the load average "
         "above: a load over the core count means other processes shared it, and the times are noisy).",
@@ -249,13 +274,9 @@ def report(model: str, path: Path, off: list[Turn], on: list[Turn], threads: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--weights")
+    ap = bench_parser(__doc__, "cpu-agent-session.md")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--answer", type=int, default=24, help="tokens each answer may have")
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "measurements" / "cpu-agent-session.md"))
     args = ap.parse_args(argv)
     model, path = _model_path(args.model, args.weights)
     runs: dict[str, list[Turn]] = {}
@@ -267,11 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name] = run_session(server, model, args.turns, args.answer)
             finally:
                 server.stop()
-    command = "python tools/bench_session.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(model, path, runs["off"], runs["on"], args.threads, args.answer, command.strip())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    publish("bench_session.py", argv, args.out,
+            lambda command: report(model, path, runs["off"], runs["on"], args.threads, args.answer, command))
     return 0
 
 

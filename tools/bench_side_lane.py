@@ -3,8 +3,9 @@
 An agent's long turn streams (greedy, ``--long`` tokens, its end token held off with ``logit_bias`` so it
 runs its full length); after its first token, ``--shorts`` short requests (a title of at most 16 tokens, the
 kind a client sends beside the turn) go out ``--gap`` seconds apart (each at its time, answered or not the
-ones before), through the official ``openai`` client. The same run is made on a server with the side lane on (the default) and on one with
-``TANDEM_SIDE_LANE=0``; before the long turn each short request is also timed on the idle server. For each
+ones before), through the official ``openai`` client. The same run is made on a server with the side lane
+on (the default) and on one with ``TANDEM_SIDE_LANE=0``; before the long turn each short request is also
+timed on the idle server. For each
 short request it records the client's latency (request to the whole answer); for the long turn its decode
 rate and total time. It checks that every answer is the same in both runs and on the idle server (the long
 turn's text is its text, untouched by what ran at its safe points), and writes a Markdown table to
@@ -26,8 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu import _cpu_name  # noqa: E402
-from bench_session import SYSTEM, TASK, Server, _model_path  # noqa: E402
+from bench_session import SYSTEM, TASK, Server, _model_path, bench_parser, machine_lines, publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["fixing parse_duration for inputs like 1h30m", "adding a --verbose flag to the CLI",
@@ -125,8 +125,6 @@ def one_run(server: Server, model: str, long_tokens: int, shorts: int, gap: floa
 def report(model: str, path: Path, on: Run, off: Run, args: argparse.Namespace, command: str) -> str:
     import statistics
 
-    import torch
-
     same = (on.shorts == off.shorts == on.idle_shorts == off.idle_shorts and on.long_text == off.long_text)
     during = sum(t < on.long_ended_at for t in on.short_done_at)
     lines = [
@@ -138,10 +136,7 @@ def report(model: str, path: Path, on: Run, off: Run, args: argparse.Namespace, 
         f"{args.gap} s apart, each at its time. The same run on a server with the side lane on (the default) and "
         f"on one with `TANDEM_SIDE_LANE=0`; each short request also ran on the idle server first.",
         "",
-        f"- CPU: {_cpu_name()}, {os.cpu_count()} cores visible, torch {torch.__version__}, "
-        f"{args.threads or 'default'} threads; load average before the runs: "
-        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
-        f"- Date: {time.strftime('%Y-%m-%d %H:%M')}; command: `{command}`",
+        *machine_lines(args.threads, command),
         f"- Every answer is {'the same' if same else 'NOT the same'} in both runs and on the idle server; the "
         f"long turn's text is identical with and without the side lane.",
         f"- With the lane on, {during} of {args.shorts} short requests were answered while the long turn ran "
@@ -172,14 +167,10 @@ def report(model: str, path: Path, on: Run, off: Run, args: argparse.Namespace, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--weights")
+    ap = bench_parser(__doc__, "cpu-side-lane.md")
     ap.add_argument("--long", type=int, default=400, help="tokens of the long turn")
     ap.add_argument("--shorts", type=int, default=5)
     ap.add_argument("--gap", type=float, default=1.0, help="seconds between two short requests")
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "measurements" / "cpu-side-lane.md"))
     args = ap.parse_args(argv)
     model, path = _model_path(args.model, args.weights)
     from tandem_core.loader import load_served
@@ -195,11 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name] = one_run(server, model, args.long, args.shorts, args.gap, stops)
             finally:
                 server.stop()
-    command = "python tools/bench_side_lane.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(model, path, runs["on"], runs["off"], args, command.strip())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    publish("bench_side_lane.py", argv, args.out,
+            lambda command: report(model, path, runs["on"], runs["off"], args, command))
     return 0
 
 
