@@ -363,7 +363,8 @@ def _reading(results: dict[str, dict[str, Tally]], cost: VerifyCost, steeper: li
         out.append(f"- **{name}**: " + "; ".join(parts) + f". Fastest: {best}"
                    + (", faster than plain." if t[best].rate > base else ", still slower than plain."))
     steep = (f"steeper than the measured one on {', '.join(steeper)} (the table above), so there it drafted less "
-             f"than the measured prices let it, and a width it stops trying is not measured again"
+             f"than the measured prices let it; a width it stops trying is measured again only when an exploring "
+             f"round (one after every 16 rounds in a row that kept nothing) picks it"
              if steeper else "close to the measured one on every set")
     out += [
         ("- The cut drafts what pays on its prices: a node goes in when its calibrated chance of acceptance "
