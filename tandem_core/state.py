@@ -103,7 +103,7 @@ class ModelState:
         wrote over were kept, the sections are the state after ``length`` tokens)."""
         self.check_compatible(snap)
         n = snap.length if length is None else int(length)
-        for k, v in snap.views.items():
+        for k in snap.views:
             mine = self.views[k]
             if max(n, snap.length) > mine.capacity:
                 what = f"snapshot of {snap.length}" if snap.length >= n else f"sequence of {n}"

@@ -133,7 +133,8 @@ class Decode:
 
     ``engine`` is held for the whole decode; ``detok`` turns committed ids into text;
     ``constraint`` (optional) masks the sampler; ``cancel`` is read before each step;
-    ``start`` is the prefill (``prefill``, or a cache stack's ``start``: same signature);
+    ``start`` is the prefill (``prefill``, or a cache stack's ``start``: same signature, and with a
+    ``safe_point`` it is called with it as the keyword ``between``);
     ``on_forwarded(tokens)`` is told each time the engine appended committed tokens after the
     prefill (a cache tier follows the sequence through it); ``on_end()`` is called once when the
     generation ends without an error (a finish, a cancel, or the caller closing ``run()``);
