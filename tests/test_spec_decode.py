@@ -106,6 +106,9 @@ def test_steep_prices_mean_plain_rounds():
     want, _ = run(Decode, ToyTreeEngine(), PROMPTS[1], SamplingParams(temperature=0.0))
     for every in (0, 16):
         e1 = ToyTreeEngine()
+        trees = []
+        real_forward_tree = e1.forward_tree
+        e1.forward_tree = lambda t, p: trees.append(len(t)) or real_forward_tree(t, p)
         target = TargetInfo.of(e1.caps, tokenizer=None, vocab_size=e1.vocab)
         spec = Speculation([build_drafter("lookup", target)], StairCut(steep, max_tree=32, explore_every=every), 32)
         got, dec = run(SpecDecode, e1, PROMPTS[1], SamplingParams(temperature=0.0), speculation=spec)
@@ -113,3 +116,5 @@ def test_steep_prices_mean_plain_rounds():
         # plain rounds, but for one node verified after every 16 rounds in a row that kept nothing
         assert dec.stats.drafted == spec.cut.explored <= dec.stats.rounds // 17, (every, dec.stats)
         assert (spec.cut.explored > 0) == (every > 0)
+        # a round with nothing to verify is a decode step (engine.forward), not a one-node verify
+        assert trees == [2] * spec.cut.explored and e1.forward_calls >= dec.stats.rounds - len(trees)

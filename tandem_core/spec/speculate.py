@@ -14,8 +14,8 @@ Every token the round yields is the model's own pick at its position, drawn exac
 as the plain loop would draw it, and every verified row equals the decode row bit for
 bit (the engine's row invariance, checked at load by ``spec.selfcheck``): speculative
 output equals plain output token for token, greedy and seeded sampling alike. A round
-with nothing worth drafting is a plain decode step. A request with a grammar
-constraint decodes plainly.
+with nothing worth drafting is a plain decode step (``plain_round``: the engine's decode
+forward, not a one-node verify). A request with a grammar constraint decodes plainly.
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ class SpecDecode(Decode):
         if not self._begun:
             self._begin()
         tree = self.propose()              # drafters' proposals, merged and cut
+        if len(tree) == 0:
+            return self.plain_round()      # nothing worth verifying: a decode step
         out = self.verify(tree)            # [1 + N, V]: after pending, after each node
         result = self.walk(tree, out)      # the model's own picks along the tree
         self.commit_round(tree, result, out)
@@ -116,6 +118,24 @@ class SpecDecode(Decode):
         if len(tree) == 0:
             return tree
         return self.spec.cut.cut_round(tree, len(context), budget).tree
+
+    def plain_round(self) -> Chunk:
+        """A round with nothing to verify: the plain loop's step (the pending token forwarded as a decode
+        step, whose row is the verify's row 0 bit for bit), timed as a one-row verify for the cut's prices,
+        and told to the drafters like any round."""
+        (pending,) = self.pending
+        t0 = time.perf_counter()
+        logits = self.forward()            # [1, V]: the engine now holds the pending token
+        ms = (time.perf_counter() - t0) * 1e3
+        self.spec.cut.observe(1, len(self.req.prompt) + len(self.generated) - 1, ms)
+        self.stats.verify_ms += ms
+        before = len(self.generated)
+        self.commit(self.sample(logits))
+        for d in self.spec.drafters:
+            d.accepted([pending])
+        self.stats.rounds += 1
+        self.stats.tokens += len(self.generated) - before
+        return self.emit()
 
     def verify(self, tree: TokenTree) -> torch.Tensor:
         (pending,) = self.pending
