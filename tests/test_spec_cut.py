@@ -178,6 +178,24 @@ def test_online_prices_converge_to_the_true_curve():
         assert np.all(np.diff(est) >= 0)
 
 
+def test_a_width_measured_over_a_few_contexts_is_not_carried_far_on_its_own_slope():
+    def truth(n, L):
+        return 10.0 + 2.0 * n + 0.01 * L
+
+    rng = np.random.default_rng(3)
+    on = OnlinePrices()
+    for w in (1, 8):                       # measured over the whole range of contexts
+        for L in np.linspace(100, 4000, 40):
+            on.observe(w, L, truth(w, L) * (1 + 0.01 * rng.standard_normal()))
+    # width 3: three samples within 20 tokens, the last two slow: a local slope of 0.5 ms a token
+    for L, slow in ((80, 1.0), (90, 1.3), (100, 1.6)):
+        on.observe(3, L, truth(3, L) * slow)
+    est = on.curve(3000, 8)
+    assert est[2] / truth(3, 3000) - 1 < 0.3, est          # its samples plus the shared slope, not 1.5 s
+    assert est[0] == pytest.approx(truth(1, 3000), rel=0.05) and est[7] == pytest.approx(truth(8, 3000), rel=0.05)
+    assert np.all(np.diff(est) >= 0)
+
+
 def test_online_learning_reaches_the_cut_of_the_true_prices():
     rng = np.random.default_rng(1)
     tree = bushy_tree()

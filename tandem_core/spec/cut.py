@@ -198,17 +198,31 @@ def _pav(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(means), sizes)
 
 
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """The value at which half the weight lies on either side (the plain median when no weight is positive)."""
+    if not np.any(weights > 0):
+        return float(np.median(values))
+    order = np.argsort(values)
+    v, w = values[order], weights[order]
+    cum = np.cumsum(w)
+    return float(v[int(np.searchsorted(cum, 0.5 * cum[-1]))])
+
+
 class OnlinePrices:
     """Verify prices learnt from measurements: one robust line ``ms = a + b * L`` per width.
 
     ``observe(n, L, ms)`` keeps the last ``window`` samples of width ``n`` and refits
     that width's line (Theil-Sen: the median of pairwise slopes, then the median
     intercept; robust to a stray slow round). A width whose samples span too little
-    context to say borrows the median slope of the widths that can. ``curve(L, n_max)``
-    evaluates the lines at ``L``, makes them non-decreasing in width (weighted
-    isotonic regression), interpolates linearly between measured widths and
-    extrapolates beyond them along the measured trend (below the narrowest and
-    with nothing measured: the prior ``1 + prior_slope * (n - 1)``, relative).
+    context to say borrows the shared slope: the median of the widths' own slopes,
+    weighted by the context each spans. A line holds only over the contexts its width
+    was measured at: beyond them the price follows the shared slope from the nearest
+    end (three samples over 20 tokens give a slope that must not be carried 500
+    tokens away). ``curve(L, n_max)`` evaluates the lines at ``L``, makes them
+    non-decreasing in width (weighted isotonic regression), interpolates linearly
+    between measured widths and extrapolates beyond them along the measured trend
+    (below the narrowest and with nothing measured: the prior
+    ``1 + prior_slope * (n - 1)``, relative).
     """
 
     def __init__(self, window: int = 64, prior_slope: float = 0.05) -> None:
@@ -216,10 +230,12 @@ class OnlinePrices:
         self.prior_slope = prior_slope
         self._buf: dict[int, np.ndarray] = {}       # width -> [window, 2] (context, ms) ring
         self._count: dict[int, int] = {}            # width -> samples seen
-        self._fits: dict[int, tuple[float, float, float]] = {}  # width -> (intercept, slope or nan, median L)
+        self._fits: dict[int, tuple[float, float, float, float, float]] = {}  # width -> (intercept, slope
+        #                                                     or nan, median L, least L, largest L)
         self._dirty: set[int] = set()
         self._version = 0
-        self._lines: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._lines: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                           float] | None = None
         self._cache: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     def observe(self, n: int, context_len: int, ms: float) -> None:
@@ -244,40 +260,42 @@ class OnlinePrices:
         """Samples of width ``n`` held (at most ``window``)."""
         return min(self._count.get(n, 0), self.window)
 
-    def _fit(self, n: int) -> tuple[float, float, float]:
+    def _fit(self, n: int) -> tuple[float, float, float, float, float]:
         """Width ``n``'s line: a Theil-Sen-style slope (the median of the slopes between the samples of the
         lower and the upper half of the contexts) and the median intercept; nan slope when the samples'
-        contexts are too close together to tell."""
+        contexts are too close together to tell; and the median, least and largest context sampled."""
         m = self.samples(n)
         arr = self._buf[n][:m]
         order = np.argsort(arr[:, 0])
         L, y = arr[order, 0], arr[order, 1]
-        Lmed = float(L[m // 2])
+        Lmed, Lmin, Lmax = float(L[m // 2]), float(L[0]), float(L[-1])
         h = m // 2
         if m < 3 or L[-1] - L[0] < 0.05 * max(Lmed, 1.0):
-            return float(np.median(y)), math.nan, Lmed
+            return float(np.median(y)), math.nan, Lmed, Lmin, Lmax
         dL = L[m - h:] - L[:h]
         ok = dL > 1e-9
         if not ok.any():
-            return float(np.median(y)), math.nan, Lmed
+            return float(np.median(y)), math.nan, Lmed, Lmin, Lmax
         slope = max(float(np.median((y[m - h:] - y[:h])[ok] / dL[ok])), 0.0)
-        return float(np.median(y - slope * L)), slope, Lmed
+        return float(np.median(y - slope * L)), slope, Lmed, Lmin, Lmax
 
-    def _line_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(widths, intercepts at L = 0, slopes, sample counts), slopes filled in; refit per observation."""
+    def _line_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                    float]:
+        """(widths, intercepts at L = 0, slopes, sample counts, least and largest contexts sampled, the shared
+        slope), slopes filled in; refit per observation."""
         if self._lines is None or self._lines[0] != self._version:
             for w in self._dirty:
                 self._fits[w] = self._fit(w)
             self._dirty.clear()
             widths = sorted(self._fits)
-            a, b, Lmed = np.asarray([self._fits[w] for w in widths], dtype=np.float64).T
+            a, b, Lmed, Lmin, Lmax = np.asarray([self._fits[w] for w in widths], dtype=np.float64).T
             known = ~np.isnan(b)
-            shared = float(np.median(b[known])) if known.any() else 0.0
+            shared = _weighted_median(b[known], (Lmax - Lmin)[known]) if known.any() else 0.0
             # a width without its own slope: its median price sits at its samples' median context
             a = np.where(known, a, a - shared * Lmed)
             b = np.where(known, b, shared)
             counts = np.minimum(np.asarray([self._count[w] for w in widths], dtype=np.float64), self.window)
-            self._lines = (self._version, np.asarray(widths, dtype=np.float64), a, b, counts)
+            self._lines = (self._version, np.asarray(widths, dtype=np.float64), a, b, counts, Lmin, Lmax, shared)
         return self._lines[1:]
 
     def curve(self, context_len: int, n_max: int) -> np.ndarray:
@@ -290,8 +308,10 @@ class OnlinePrices:
         if not self._buf:
             out = prior
         else:
-            wv, a, b, counts = self._line_arrays()
-            ev = _pav(np.maximum(a + b * float(context_len), 1e-6), counts)
+            wv, a, b, counts, Lmin, Lmax, shared = self._line_arrays()
+            L = float(context_len)
+            Lc = np.clip(L, Lmin, Lmax)                      # each line where it was measured, then the shared slope
+            ev = _pav(np.maximum(a + b * Lc + shared * (L - Lc), 1e-6), counts)
             out = np.interp(n, wv, ev)
             lo = n < wv[0]
             out[lo] = ev[0] * prior[lo] / (1.0 + self.prior_slope * (wv[0] - 1.0))
