@@ -28,7 +28,7 @@ from tandem_core.state import ModelState
 
 __all__ = [
     "Capabilities", "MemoryPart", "Manifest", "Engine", "TreeEngine", "ResumableEngine", "KVInfo",
-    "TreeOut",
+    "TreeOut", "restore_state",
 ]
 
 
@@ -193,3 +193,15 @@ class ResumableEngine(Engine, Protocol):
         """Take the sequence back to ``n`` tokens whose views are already in the buffers (a common
         prefix), with the recurrent ``sections`` after exactly ``n`` tokens (an anchor's)."""
         ...
+
+
+def restore_state(engine: Engine, snap: ModelState, length: int | None = None) -> None:
+    """Copy ``snap`` into ``engine``'s own buffers (``state.restore``; ``length``: the sequence's length
+    afterwards when the rows past ``snap.length`` still hold it) and tell an engine that resumes
+    (``caps.resume``) that its sequence is that long again, which drops any verified tree or pending tokens."""
+    if length is None:
+        engine.state.restore(snap)
+    else:
+        engine.state.restore(snap, length)
+    if engine.caps.resume:
+        engine.resume_at(engine.state.length)  # type: ignore[attr-defined]  # ResumableEngine, said by caps

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixture)
 
 from conftest_qwen38 import load_engine, qwen38_ckpts  # noqa: F401  (fixture)
@@ -71,21 +70,14 @@ def qwen38_engines(qwen38_ckpts):  # noqa: F811
 @pytest.fixture(scope="module")
 def qwen38_cuda_engines(qwen38_ckpts):  # noqa: F811
     """The CUDA graph path (bf16; skipped without a CUDA device and Triton)."""
-    import importlib.util
-    import json
-
-    if not (torch.cuda.is_available() and importlib.util.find_spec("triton") is not None):
-        pytest.skip("needs a CUDA device and Triton (the CPU engines above are the same checks)")
-    from tandem_qwen38.config import read_config
-    from tandem_qwen38.model import Qwen38Engine
-    from tandem_qwen38.weights import load_weights, open_checkpoint
+    from test_gpu_engine import CUDA, cuda_engine
 
     from tandem_core.tokenizer import HFTokenizer
 
+    if not CUDA:
+        pytest.skip("needs a CUDA device and Triton (the CPU engines above are the same checks)")
     path = qwen38_ckpts.text.path
-    cfg = read_config(json.loads((path / "config.json").read_text()))
-    weights = load_weights(open_checkpoint(path, cfg), cfg, "bf16", "cuda")
-    return ([Qwen38Engine(cfg, weights, max_context=256, prefill_chunk=CHUNK, max_tree=16) for _ in range(3)],
+    return ([cuda_engine(path, max_context=256, prefill_chunk=CHUNK, max_tree=16) for _ in range(3)],
             qwen38_ckpts.text.raw_config["vocab_size"], HFTokenizer.from_dir(path))
 
 

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from tandem_core.cache.gate import MemoryGateError
 from tandem_core.server.admission import Admission, QueueFull, Slot, Ticket
 from tandem_core.server.caches import CacheOptions, ServerCaches, build_caches
-from tandem_core.server.speculation import ServerSpeculation, SpecOptions, build_speculation
+from tandem_core.server.speculation import SpecOptions, build_speculation
 from tandem_core.server.fields import FieldError
 from tandem_core.server.generate import Outcome, run_job
 from tandem_core.server.grammar import Grammars
@@ -192,17 +192,14 @@ class ServerState:
         lane = min((lane for lane in self.lanes if lane.has_room()), key=len)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
-        held: list[SideJob] = []
-
         def done(outcome: Outcome) -> None:
-            self.record(job, outcome, held[0].waited, lane="side")
+            self.record(job, outcome, side.waited, lane="side")
             try:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(outcome))
             except RuntimeError:  # the loop is gone (shutdown)
                 pass
 
         side = SideJob(job, emit, done)
-        held.append(side)
         taken = lane.offer(side)
         assert taken, "a side lane closed between side_room and side"
         self.active.add(side.cancel)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tandem_core.cache.gate import MemoryGateError
-from tandem_core.engine import Engine
+from tandem_core.engine import Engine, restore_state
 from tandem_core.server.generate import Outcome, run_job
 from tandem_core.server.prepare import Job
 from tandem_core.server.stream import Delta
@@ -80,9 +80,7 @@ class Parked:
         return self.snap.nbytes
 
     def restore(self, engine: Engine) -> None:
-        engine.state.restore(self.snap, self.length)
-        if engine.caps.resume:
-            engine.resume_at(self.length)  # type: ignore[attr-defined]  # ResumableEngine, said by caps
+        restore_state(engine, self.snap, self.length)
 
 
 @dataclass

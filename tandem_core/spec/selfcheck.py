@@ -42,7 +42,7 @@ from typing import NamedTuple, Protocol, Sequence, cast, runtime_checkable
 
 import torch
 
-from tandem_core.engine import TreeEngine
+from tandem_core.engine import TreeEngine, restore_state
 from tandem_core.state import ModelState
 
 __all__ = ["SelfCheck", "Mismatch", "Trace", "LayerTrace", "run_selfcheck", "PROMPT_TOKENS"]
@@ -177,12 +177,6 @@ def _record(engine: TreeEngine, prompt: Sequence[int] | None, K: int, seed: int)
     return _Record(start, toks, torch.stack(rows), engine.state.clone())
 
 
-def _restore(engine: TreeEngine, snap: ModelState) -> None:
-    engine.state.restore(snap)
-    if engine.caps.resume:
-        engine.resume_at(snap.length)  # type: ignore[attr-defined]  # ResumableEngine, said by caps
-
-
 # -- replays --------------------------------------------------------------------------------------------
 class _Checker:
     def __init__(self, engine: TreeEngine, rng: random.Random) -> None:
@@ -194,7 +188,7 @@ class _Checker:
     def chains(self, widths: range) -> None:
         """One chain of every width, each from where the last one's commit left the replay."""
         rec, K = self.rec, len(self.rec.tokens)
-        _restore(self.engine, rec.start)
+        restore_state(self.engine, rec.start)
         c = 0
         for w in widths:
             if c + w > K:                                  # finish this replay, check its state, start again
@@ -202,7 +196,7 @@ class _Checker:
             c = self._chain(c, w)
             if c == K:
                 self._state(w)
-                _restore(self.engine, rec.start)
+                restore_state(self.engine, rec.start)
                 c = 0
         if c:
             self._finish(c, widths[-1])
@@ -213,7 +207,7 @@ class _Checker:
         while c < K:
             c = self._chain(c, min(width, K - c))
         self._state(width)
-        _restore(self.engine, self.rec.start)
+        restore_state(self.engine, self.rec.start)
         return 0
 
     def _chain(self, c: int, n: int) -> int:
@@ -229,7 +223,7 @@ class _Checker:
         """One tree of every width, each from where the last one's commit left the replay."""
         rec, K = self.rec, len(self.rec.tokens)
         vocab = int(rec.rows.shape[-1])
-        _restore(self.engine, rec.start)
+        restore_state(self.engine, rec.start)
         c = 0
         for n in widths:
             p = self.rng.randint(1, min(n, K - c))
@@ -242,7 +236,7 @@ class _Checker:
             c += p
             if c == K:
                 self._state(n)
-                _restore(self.engine, rec.start)
+                restore_state(self.engine, rec.start)
                 c = 0
         if c:
             self._finish(c, widths[-1])
@@ -319,11 +313,11 @@ def _diagnose(engine: TreeEngine, rec: _Record, found: _Found) -> Mismatch:
                         "the engine offers no layer trace (caps.trace is off)")
     tracer = cast(LayerTrace, engine)
     try:
-        _restore(engine, rec.start)
+        restore_state(engine, rec.start)
         for t in rec.tokens[:m.row]:
             engine.forward(torch.tensor([t]))
         dec = tracer.trace_forward(torch.tensor([rec.tokens[m.row]]))
-        _restore(engine, rec.start)
+        restore_state(engine, rec.start)
         for t in rec.tokens[:found.offset]:
             engine.forward(torch.tensor([t]))
         ver = tracer.trace_tree(torch.tensor(found.tokens), torch.tensor(found.parents))
