@@ -53,6 +53,7 @@ class Capabilities:
     trace: bool = False         # trace_forward / trace_tree: per-layer rows (spec.selfcheck.LayerTrace)
     prefill_chunk: int = 0      # rows a long forward runs at a time, counted from the call's first token;
                                 # forwards split at multiples of it give the same bits (0: not said)
+    graph_widths: tuple[int, ...] = ()  # verify widths captured as CUDA graphs (decode is width 1); (): eager
 
 
 class MemoryPart(NamedTuple):

@@ -117,6 +117,7 @@ class RunnerSpec:
     trace          ``capture`` is honoured (the self-check's per-layer rows)
     hidden_layers  layers ``tap`` may name (a drafter reads their rows)
     workspace_bytes_per_token  prefill scratch per row (the memory gate's estimate); 0: generic
+    graph_widths   the verify widths captured as CUDA graphs (``()``: the runner runs eagerly)
     """
 
     vocab_size: int
@@ -129,6 +130,7 @@ class RunnerSpec:
     trace: bool = False
     hidden_layers: tuple[int, ...] = ()
     workspace_bytes_per_token: int = 0
+    graph_widths: tuple[int, ...] = ()
 
 
 @runtime_checkable

@@ -116,7 +116,7 @@ class SequenceEngine:
             tree=True, resume=True, max_context=spec.max_context, max_tree=spec.max_tree,
             hidden_layers=spec.hidden_layers, device=spec.device, dtype=spec.dtype,
             workspace_bytes_per_token=spec.workspace_bytes_per_token, trace=spec.trace,
-            prefill_chunk=spec.prefill_chunk)
+            prefill_chunk=spec.prefill_chunk, graph_widths=spec.graph_widths)
 
     # -- hot verbs ------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor | Sequence[int], *, all_logits: bool = False) -> torch.Tensor:

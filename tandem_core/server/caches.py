@@ -436,7 +436,10 @@ def build_caches(served: Served, engines: Sequence[Engine], options: CacheOption
     directory.mkdir(parents=True, exist_ok=True)
     lock = _lock(directory)
     try:
-        ctx = CacheContext(fp, directory, device=first.caps.device, cost=CostModel())
+        on_gpu = first.caps.device.startswith("cuda")
+        # the resident prefix and its anchors live with the engine (device memory); the snapshot store on the
+        # host, page-locked when the engine is on a GPU (a restore is then a DMA, not a pageable copy)
+        ctx = CacheContext(fp, directory, device="cpu", pin=on_gpu, cost=CostModel())
         lower: list[SnapshotTier] = []
         for name, path in tiers.items():
             if name in ("resident", "spill"):
@@ -450,7 +453,9 @@ def build_caches(served: Served, engines: Sequence[Engine], options: CacheOption
         resident_cls = import_string(tiers["resident"])
         residents: list[ResidentPrefix] = [resident_cls.build(ctx) for _ in engines]
         peak = int(SETTINGS.get("MEM_PEAK")) if options.mem_peak is None else int(options.mem_peak)
-        gated: list[Releasable] = [*residents, *(t for t in lower if isinstance(t, Releasable))]
+        # the gate measures the engine's device: what it may give back is what lives there (on a GPU, the
+        # resident prefixes and their anchors; the host-side store is not device memory)
+        gated: list[Releasable] = [*residents, *(t for t in lower if isinstance(t, Releasable) and not on_gpu)]
         chunk = options.chunk or first.caps.prefill_chunk or 512
         gate = _SharedGate(workspace_estimate(first, chunk, served.tokenizer.vocab_size),
                            first.state.view_bytes_per_token(), gated, peak_bytes=peak,

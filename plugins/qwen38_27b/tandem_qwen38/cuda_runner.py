@@ -57,7 +57,8 @@ class Qwen38CudaRunner:
             self.run.capture()
         self.spec = RunnerSpec(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, max_context=int(max_context),
-            max_tree=widths[-1], prefill_chunk=int(prefill_chunk), device=str(self.device), dtype=weights.dtype)
+            max_tree=widths[-1], prefill_chunk=int(prefill_chunk), device=str(self.device), dtype=weights.dtype,
+            graph_widths=tuple(self.run.widths))
 
     def buffers(self) -> tuple[dict[str, torch.Tensor], dict[str, View]]:
         """Sections ``gdn.S``, ``gdn.conv``; views ``K``, ``V`` (with the verify's slack)."""

@@ -70,7 +70,11 @@ def test_serve_builds_engine_tokenizer_and_record(qwen38_ckpts):
     assert isinstance(served, Served)
     assert [s for s, _ in ctx.stages] == ["config", "audit", "weights", "engine", "tokenizer"]
     n = len(expected_tensors(served.engine.runner.cfg))
-    assert ctx.progressed[-1] == (n, n, "weights") and len(ctx.progressed) == n
+    stored = sum(f.stat().st_size for f in qwen38_ckpts.vl.path.glob("*.safetensors"))
+    done, total, what = ctx.progressed[-1]
+    assert len(ctx.progressed) == n and done == total and what == "to cpu"      # bytes, to the device
+    assert 0.5 * stored < total <= stored                                          # the text model's bytes
+    assert [d for d, _, _ in ctx.progressed] == sorted(d for d, _, _ in ctx.progressed)
     assert served.tool_format == "qwen_xml" and served.reasoning and served.think_in_prompt
     im_end = served.tokenizer.token_to_id("<|im_end|>")
     assert im_end is not None and im_end in served.stop_ids
