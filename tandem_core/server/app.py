@@ -92,8 +92,12 @@ class ServerState:
         # before the caches: the self-check leaves the engine reset
         self.spec = build_speculation(served, engines, options.spec or SpecOptions(drafters=()),
                                       profile=served.engine.caps.dtype)
-        self.caches: ServerCaches | None = (build_caches(served, engines, options.caches)
-                                            if options.caches is not None else None)
+        try:
+            self.caches: ServerCaches | None = (build_caches(served, engines, options.caches)
+                                                if options.caches is not None else None)
+        except BaseException:
+            self.spec.wait()    # its background self-check must not outlive a state that never started
+            raise
         self.admission = Admission(engines, options.queue)
         gate = self.caches.gate if self.caches is not None else None
         self.lanes = [SideLane(served, options.queue, gate, enabled=options.side_lane and e.caps.resume)
