@@ -122,6 +122,23 @@ class ServerState:
                   f"tandem_side_lane_waiting {sum(len(lane) for lane in self.lanes)}"]
         if self.caches is not None:
             lines += self.caches.metric_lines()
+        return lines + self._engine_lines()
+
+    def _engine_lines(self) -> list[str]:
+        """Where the engines run, their memory by part and device, and the widths captured as graphs."""
+        caps = self.served.engine.caps
+        lines = ["# HELP tandem_engine_info The engines' device, dtype and widest verify (value 1).",
+                 "# TYPE tandem_engine_info gauge",
+                 f'tandem_engine_info{{device="{caps.device}",dtype="{caps.dtype}",max_tree="{caps.max_tree}"}} 1',
+                 "# HELP tandem_engine_memory_bytes Memory each engine holds, by part and device.",
+                 "# TYPE tandem_engine_memory_bytes gauge"]
+        for i, slot in enumerate(self.admission.slots):
+            for part in slot.engine.memory_parts():
+                lines.append(f'tandem_engine_memory_bytes{{engine="{i}",part="{part.name}",device="{part.device}"}} '
+                             f"{part.nbytes}")
+        lines += ["# HELP tandem_engine_graph_widths Verify widths captured as CUDA graphs (none: eager).",
+                  "# TYPE tandem_engine_graph_widths gauge"]
+        lines += [f'tandem_engine_graph_widths{{width="{w}"}} 1' for w in caps.graph_widths]
         return lines
 
     def _gauges(self) -> dict[str, float]:
@@ -436,6 +453,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             "load_stages": info.get("load_stages", []),
             "memory": [{"name": m.name, "bytes": m.nbytes, "device": m.device} for m in eng.memory_parts()],
             "engine": {"device": eng.caps.device, "dtype": eng.caps.dtype, "max_context": state.max_context,
+                       "graph_widths": list(eng.caps.graph_widths), "max_tree": eng.caps.max_tree,
                        "engines": len(state.admission.slots), "busy": state.admission.busy,
                        "waiting": len(state.admission.waiting), "queue": state.admission.limit,
                        "side_lane": {"waiting": sum(len(lane) for lane in state.lanes),
