@@ -32,6 +32,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -184,10 +185,11 @@ class Server:
     def __init__(self, ckpt: Path, home: Path, device: str, max_context: int, *args: str,
                  env: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        tandem = Path(sys.executable).with_name("tandem")
-        cmd = [str(tandem) if tandem.exists() else sys.executable, *([] if tandem.exists() else
-               ["-m", "tandem_core.cli.main"]), "serve", "--model", str(ckpt), "--device", device, "--port",
-               str(self.port), "--max-context", str(max_context), *args]
+        tandem = shutil.which("tandem") or str(Path(sys.executable).with_name("tandem"))
+        if not Path(tandem).exists():
+            raise RuntimeError("no `tandem` command: install TandemLLM first (pip install . plugins/qwen38_27b ...)")
+        cmd = [tandem, "serve", "--model", str(ckpt), "--device", device, "--port", str(self.port),
+               "--max-context", str(max_context), *args]
         e = {**os.environ, "TANDEM_HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.t0 = time.time()
         self.proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
