@@ -118,15 +118,16 @@ def test_conv_tree_equals_its_reference(N, C, K, DH, QK):
     assert torch.allclose(a, b, rtol=1e-2, atol=1e-4)
 
 
-@pytest.mark.parametrize("L,Hkv,S,D,d", [(0, 4, 64, 256, 1), (100, 4, 300, 256, 16), (7, 2, 200, 128, 64)],
-                         ids=str)
+@pytest.mark.parametrize("L,Hkv,S,D,d", [(0, 4, 64, 256, 1), (100, 4, 300, 256, 16), (7, 2, 200, 128, 64),
+                                         (140000, 4, 140100, 256, 8)], ids=str)
 def test_kv_commit_equals_its_reference(L, Hkv, S, D, d):
     from tandem_core.ops import fused_ref as fr
     from tandem_core.ops import triton_fused as tf
 
     dev = "cuda"
-    K0 = torch.randn(3, Hkv, S, D, device=dev).bfloat16()
-    V0 = torch.randn(3, Hkv, S, D, device=dev).bfloat16()
+    layers = 16 if S > 100000 else 3          # 16 x 4 x 140K x 256: offsets past 2**31 elements (int64 needed)
+    K0 = torch.randn(layers, Hkv, S, D, device=dev).bfloat16()
+    V0 = torch.randn(layers, Hkv, S, D, device=dev).bfloat16()
     path = torch.tensor(sorted(__import__("random").Random(d).sample(range(d + 20), d)), dtype=torch.int32,
                         device=dev)
     meta = torch.tensor([L, d + 20], dtype=torch.int32, device=dev)

@@ -529,6 +529,7 @@ def main() -> int:
     ap.add_argument("--ttft", default="2048,8192,32768,131072")
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--skip", default="", help="comma-separated stages to leave out")
+    ap.add_argument("--server-args", default="", help="more arguments for the main server (e.g. '--spec off')")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -539,7 +540,7 @@ def main() -> int:
     home = out / "home"
     gen_dev = a.device if a.device.startswith("cuda") else "cpu"
     R.put("checkpoint", write_checkpoint(ckpt, a.shape, gen_dev))
-    srv = Server(ckpt, home, a.device, a.max_context)
+    srv = Server(ckpt, home, a.device, a.max_context, *a.server_args.split())
     servers = [srv]
     try:
         R.put("load_s", srv.wait(600))
@@ -558,6 +559,7 @@ def main() -> int:
             memory_stage(srv, R)
         with R.stage("speculation", skip) as st:
             if st.run:
+                srv.stop()                   # one 27B server at a time fits the device
                 off = Server(ckpt, home / "off", a.device, a.max_context, "--spec", "off", "--no-cache")
                 servers.append(off)
                 R.put("load_s_off", off.wait(600))

@@ -232,11 +232,13 @@ def _build() -> dict[str, Any]:
         ok = offs < D
         L = tl.load(meta_ptr)
         d = tl.load(d_ptr)
-        base_k = K_ptr + lyr * stride_l + hh * stride_h
-        base_v = V_ptr + lyr * stride_l + hh * stride_h
+        # 64-bit offsets: a layer's stride times the layer index passes 2**31 elements at long contexts
+        # (16 layers x 4 heads x 140K positions x 256: the int32 product overflowed and the commit wrote wild)
+        base_k = K_ptr + lyr.to(tl.int64) * stride_l + hh.to(tl.int64) * stride_h
+        base_v = V_ptr + lyr.to(tl.int64) * stride_l + hh.to(tl.int64) * stride_h
         for i in range(0, d):
-            src = L + tl.load(path_ptr + i)
-            dst = L + i
+            src = (L + tl.load(path_ptr + i)).to(tl.int64)
+            dst = (L + i).to(tl.int64)
             kv = tl.load(base_k + src * stride_s + offs, mask=ok)
             vv = tl.load(base_v + src * stride_s + offs, mask=ok)
             tl.store(base_k + dst * stride_s + offs, kv, mask=ok)

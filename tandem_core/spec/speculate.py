@@ -20,10 +20,11 @@ forward, not a one-node verify). A request with a grammar constraint decodes pla
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -84,12 +85,29 @@ class SpecDecode(Decode):
         self.stats = SpecStats()
         self.tree_engine: TreeEngine = engine
         self._begun = False
+        self._indexing: threading.Thread | None = None
+
+    def run(self) -> Iterator[Chunk]:
+        """The plain loop's ``run``, with the drafters indexing the prompt while the prefill runs (on the GPU a
+        128K-token prompt takes the lookup drafter ~0.65 s of CPU to index, which otherwise lands between the
+        first and the second token); the first round waits for it."""
+        if self.spec.drafters and self.constraint is None:
+            self._indexing = threading.Thread(target=self._begin, name="tandem-draft-index", daemon=True)
+            self._indexing.start()
+        try:
+            yield from super().run()
+        finally:
+            if self._indexing is not None:
+                self._indexing.join()        # the drafters are never touched by two requests at once
 
     def step(self) -> Chunk:
         if self.constraint is not None or not self.pending:
             return super().step()          # the first token (from the prefill's logits), or a grammar
         if not self._begun:
-            self._begin()
+            if self._indexing is not None:
+                self._indexing.join()
+            if not self._begun:
+                self._begin()
         tree = self.propose()              # drafters' proposals, merged and cut
         if len(tree) == 0:
             return self.plain_round()      # nothing worth verifying: a decode step
