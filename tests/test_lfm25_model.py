@@ -1,0 +1,176 @@
+"""The LFM2 runner against transformers 5.24.0 (fp32) on tiny re-randomised ``lfm2_moe`` and ``lfm2`` checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest_lfm25 import VOCAB, lfm25_ckpts, load_runner, prefill, prompt  # noqa: F401  (fixture)
+
+PROMPT = 70          # not a multiple of any chunk size used below
+KINDS = ["moe", "moe_untied", "dense"]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference relative to the reference's scale."""
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.fixture(scope="module")
+def reference_logits(lfm25_ckpts):
+    ids = prompt(PROMPT)
+    with torch.no_grad():
+        return ids, {k: getattr(lfm25_ckpts, k).model(ids[None]).logits[0] for k in KINDS}
+
+
+def test_the_checkpoints_exercise_what_they_should(lfm25_ckpts):
+    moe = lfm25_ckpts.moe.model
+    cfg = moe.config
+    assert cfg.num_dense_layers >= 1 and cfg.num_experts_per_tok > 1 and cfg.num_experts > cfg.num_experts_per_tok
+    bias = moe.model.layers[cfg.num_dense_layers].feed_forward.expert_bias
+    assert float(bias.abs().min()) > 0                              # re-randomised, not the zeros it starts at
+    assert set(cfg.layer_types) == {"conv", "full_attention"}
+    # the bias changes the selection of some token (so a runner ignoring it would fail the logits test)
+    runner = load_runner(lfm25_ckpts.moe.path)
+    from tandem_lfm25 import moe as moe_ops
+    from tandem_core.ops.act import sigmoid
+
+    layer = runner.w.layers[cfg.num_dense_layers].ffn
+    x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = layer.router.matmul(x)
+    with_bias = moe_ops.route(logits, layer.expert_bias, 3, True, 1.5, sigmoid).experts
+    without = moe_ops.route(logits, None, 3, True, 1.5, sigmoid).experts
+    assert not torch.equal(with_bias, without)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_equal_transformers_at_every_position(lfm25_ckpts, reference_logits, kind):
+    ids, ref = reference_logits
+    runner = load_runner(getattr(lfm25_ckpts, kind).path)
+    got = runner.prefill(ids, 0, logits="all").logits
+    assert got.shape == ref[kind].shape == (PROMPT, VOCAB)
+    per_position = (got - ref[kind]).abs().amax(-1) / ref[kind].abs().max()
+    assert float(per_position.max()) < 1e-4, f"worst position {int(per_position.argmax())}"
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_hidden_after_the_final_norm_equals_transformers(lfm25_ckpts, reference_logits, kind):
+    ids, _ = reference_logits
+    ck = getattr(lfm25_ckpts, kind)
+    with torch.no_grad():
+        ref = ck.model.model(ids[None]).last_hidden_state[0]
+    rows = load_runner(ck.path).prefill(ids, 0, logits="none")
+    assert rows.logits is None and rows.hidden.shape == ref.shape
+    assert rel_err(rows.hidden, ref) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("chunk", [7, 16, 33])
+def test_chunked_prefill_equals_one_full_forward(lfm25_ckpts, reference_logits, kind, chunk):
+    ids, ref = reference_logits
+    path = getattr(lfm25_ckpts, kind).path
+    full = load_runner(path).prefill(ids, 0, logits="all").logits
+    got = prefill(load_runner(path), ids, chunk)
+    assert rel_err(got, full) < 1e-5
+    assert rel_err(got, ref[kind]) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_prefill_then_decode_equals_one_full_forward(lfm25_ckpts, reference_logits, kind):
+    ids, ref = reference_logits
+    path = getattr(lfm25_ckpts, kind).path
+    runner = load_runner(path)
+    rows = [runner.prefill(ids[:60], 0, logits="all").logits]
+    for n in range(60, PROMPT):
+        rows.append(runner.decode(ids[n:n + 1], n).logits)
+    got = torch.cat(rows)
+    assert rel_err(got, ref[kind]) < 1e-4
+    assert rel_err(got, load_runner(path).prefill(ids, 0).logits) < 1e-5
+    last = load_runner(path).prefill(ids, 0, logits="last").logits
+    assert last.shape == (1, VOCAB) and rel_err(last, got[-1:]) < 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_32_tokens_equal_transformers_generate(lfm25_ckpts, kind):
+    ck = getattr(lfm25_ckpts, kind)
+    ids = prompt(23, seed=11)
+    with torch.no_grad():
+        ref = ck.model.generate(ids[None], max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, 23:]
+    eos = ck.model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    runner = load_runner(ck.path)
+    logits = runner.prefill(ids, 0, logits="last").logits
+    out = []
+    for n in range(23, 23 + 32):
+        logits[:, eos] = float("-inf")                       # min_new_tokens: generate never picks an end token
+        tok = int(logits[-1].argmax())
+        out.append(tok)
+        logits = runner.decode(torch.tensor([tok]), n).logits
+    assert out == ref.tolist()
+
+
+def _reference_state(cache, layer_types, length):
+    """transformers' cache as the runner's sections and views (copied: the cache mutates in place)."""
+    conv = [i for i, t in enumerate(layer_types) if t == "conv"]
+    attn = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    return {
+        # conv_states: [B, H, conv_L_cache], the last L_cache conv inputs B*x; the oldest is read by no later
+        # row (the next step convolves the last L_cache - 1 with its own input), so the runner keeps L_cache - 1
+        "conv": torch.stack([cache.layers[i].conv_states[0][0][:, 1:] for i in conv]).clone(),
+        # keys/values: [B, Hkv, T, D] (keys after k_layernorm and rope)
+        "K": torch.stack([cache.layers[i].keys[0][:, :length] for i in attn]).clone(),
+        "V": torch.stack([cache.layers[i].values[0][:, :length] for i in attn]).clone(),
+    }
+
+
+def _assert_state_equal(runner, ref, length, when):
+    sections, views = runner.buffers()
+    assert rel_err(sections["conv"], ref["conv"]) < 1e-5, when
+    assert rel_err(views["K"].head(length), ref["K"]) < 1e-5, when
+    assert rel_err(views["V"].head(length), ref["V"]) < 1e-5, when
+
+
+@pytest.mark.parametrize("kind,chunk", [("moe", 16), ("moe_untied", 33), ("dense", 7)])
+def test_state_after_prefill_and_decode_equals_transformers_cache(lfm25_ckpts, reference_logits, kind, chunk):
+    ids, _ = reference_logits
+    ck = getattr(lfm25_ckpts, kind)
+    types = ck.model.config.layer_types
+    with torch.no_grad():
+        out = ck.model(ids[None], use_cache=True)
+        after_prefill = _reference_state(out.cache, types, PROMPT)
+        nxt = int(out.logits[0, -1].argmax())
+        ck.model(torch.tensor([[nxt]]), cache=out.cache, use_cache=True)     # a decode step (the update kernel)
+        after_decode = _reference_state(out.cache, types, PROMPT + 1)
+    runner = load_runner(ck.path)
+    prefill(runner, ids, chunk)
+    sections, views = runner.buffers()
+    n_conv, n_attn = types.count("conv"), types.count("full_attention")
+    assert set(sections) == {"conv"} and set(views) == {"K", "V"}
+    assert sections["conv"].shape == (n_conv, 64, 2) and sections["conv"].dtype == torch.float32
+    heads = ck.model.config.num_key_value_heads
+    assert views["K"].tensor.shape == (n_attn, heads, 256, 16) and views["K"].axis == 2
+    _assert_state_equal(runner, after_prefill, PROMPT, "prefill")
+    runner.decode(torch.tensor([nxt]), PROMPT)
+    _assert_state_equal(runner, after_decode, PROMPT + 1, "decode")
+
+
+def test_short_prompt_conv_tail_is_zero_padded_like_transformers(lfm25_ckpts):
+    ids = prompt(2, seed=3)                                   # fewer tokens than the conv's taps
+    ck = lfm25_ckpts.moe
+    with torch.no_grad():
+        cache = ck.model(ids[None], use_cache=True).cache
+    runner = load_runner(ck.path)
+    runner.prefill(ids, 0)
+    conv = runner.buffers()[0]["conv"]
+    assert rel_err(conv[0], cache.layers[0].conv_states[0][0][:, 1:]) < 1e-6
+    runner.reset()
+    runner.decode(ids[:1], 0)                                 # one token: the oldest tail column stays zero
+    assert torch.all(runner.buffers()[0]["conv"][0][:, 0] == 0)
+    assert not torch.all(runner.buffers()[0]["conv"][0][:, 1] == 0)
+
+
+def test_bf16_weights_track_fp32(lfm25_ckpts, reference_logits):
+    ids, ref = reference_logits
+    got = load_runner(lfm25_ckpts.moe.path, dtype="bf16").prefill(ids, 0).logits
+    assert got.dtype == torch.float32
+    assert rel_err(got, ref["moe"]) < 0.05
