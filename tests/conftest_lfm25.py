@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from conftest_qwen38 import rerandomise
+from conftest_qwen38 import TinyCheckpoint, rerandomise
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_SRC = ROOT / "plugins" / "lfm25"
@@ -54,13 +54,6 @@ DENSE = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 SEED = 4321
-
-
-@dataclass
-class TinyCheckpoint:
-    path: Path
-    model: Any           # the transformers model, fp32, eval mode
-    raw_config: dict
 
 
 @dataclass

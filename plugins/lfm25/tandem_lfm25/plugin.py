@@ -9,27 +9,15 @@ from tandem_core.registry import Arch
 
 __all__ = ["ARCHES", "tandem_architectures"]
 
+
+def _arch(name: str, architecture: str) -> Arch:
+    return Arch(name=name, architectures=(architecture,), model_types=(name,),
+                config="tandem_lfm25.config:read_config", engine="tandem_lfm25.model:Lfm2Runner",
+                package="tandem-lfm25", serve="tandem_lfm25.serving:serve")
+
+
 # one family, two checkpoint classes: the mixture of experts and the dense model share every layer but the FFN
-ARCHES = (
-    Arch(
-        name="lfm2_moe",
-        architectures=("Lfm2MoeForCausalLM",),
-        model_types=("lfm2_moe",),
-        config="tandem_lfm25.config:read_config",
-        engine="tandem_lfm25.model:Lfm2Runner",
-        package="tandem-lfm25",
-        serve="tandem_lfm25.serving:serve",
-    ),
-    Arch(
-        name="lfm2",
-        architectures=("Lfm2ForCausalLM",),
-        model_types=("lfm2",),
-        config="tandem_lfm25.config:read_config",
-        engine="tandem_lfm25.model:Lfm2Runner",
-        package="tandem-lfm25",
-        serve="tandem_lfm25.serving:serve",
-    ),
-)
+ARCHES = (_arch("lfm2_moe", "Lfm2MoeForCausalLM"), _arch("lfm2", "Lfm2ForCausalLM"))
 
 
 @hookimpl

@@ -249,11 +249,9 @@ class Lfm2CallParser:
         if self._buf[:1] in _IDENT_START:
             self._bracketed = False
             return self._goto(_NAME)
-        if self._ended(final):
-            return False
         if self._buf.startswith(CALL_END):
             return self._malformed(out, "empty tool call")
-        return self._malformed(out, "tool call is not a list of calls" if self._buf else "tool call not closed")
+        return self._stuck(out, final, "tool call is not a list of calls")
 
     def _call_name(self, out: list[Event], final: bool) -> bool:
         """``NAME(`` (or, in a list, its ``]`` after a trailing comma)."""
@@ -424,10 +422,7 @@ class Lfm2CallParser:
         if self._buf.startswith(")"):
             self._take(1)
             return self._end_call(out)
-        if self._ended(final):
-            return False
-        return self._malformed(out, "tool call not closed" if not self._buf or self._buf.startswith(CALL_END)
-                               else "unexpected text after an argument")
+        return self._stuck(out, final, "unexpected text after an argument")
 
     def _end_call(self, out: list[Event]) -> bool:
         self._block_calls += 1
@@ -447,10 +442,7 @@ class Lfm2CallParser:
             return self._goto(_CLOSE)
         if not self._bracketed:
             return self._close(out, final)
-        if self._ended(final):
-            return False
-        return self._malformed(out, "tool call not closed" if not self._buf or self._buf.startswith(CALL_END)
-                               else "unexpected text after a call")
+        return self._stuck(out, final, "unexpected text after a call")
 
     def _close(self, out: list[Event], final: bool) -> bool:
         """``<|tool_call_end|>`` after the list."""
@@ -460,9 +452,7 @@ class Lfm2CallParser:
             self._raw = []
             self._lead = True
             return self._goto(_OUT)
-        if self._ended(final):
-            return False
-        return self._malformed(out, "tool call not closed" if not self._buf else "text after the list of calls")
+        return self._stuck(out, final, "text after the list of calls")
 
     def _pass(self, out: list[Event], final: bool) -> bool:
         """A malformed call's raw text, as content, through ``<|tool_call_end|>``."""
@@ -486,6 +476,14 @@ class Lfm2CallParser:
     def _arg_delta(self, out: list[Event], delta: str) -> None:
         self._args.append(delta)
         self._push(out, ToolCallArgs(self._index, delta))
+
+    def _stuck(self, out: list[Event], final: bool, unexpected: str) -> bool:
+        """No expected text here: wait for more (it may be the end marker's start), or the call is not closed
+        (the buffer ended, or the end marker came), or ``unexpected`` text is there."""
+        if self._ended(final):
+            return False
+        closed = not self._buf or self._buf.startswith(CALL_END)
+        return self._malformed(out, "tool call not closed" if closed else unexpected)
 
     def _malformed(self, out: list[Event], reason: str) -> bool:
         self._push(out, Malformed(reason))
