@@ -17,16 +17,24 @@ import pytest
 
 import conftest_lfm25  # noqa: F401  (the plugin's source on sys.path)
 
-from test_parse_stream import TOOLS as CORE_TOOLS
-
 from tandem_core.server.parse import Collected, Content, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd
 from tandem_lfm25.pyliteral import LiteralError, StringDecoder, literal
 from tandem_lfm25.toolcall import CALL_END, CALL_START, Lfm2CallParser
 
 S, E = CALL_START, CALL_END
-TOOLS = [*CORE_TOOLS,                     # read_file, edit and search, as the core's parser tests declare them
-         {"type": "function", "function": {"name": "get_candidate_status", "parameters": {"type": "object",
-          "properties": {"candidate_id": {"type": "string"}}, "required": ["candidate_id"]}}}]
+# a coding agent's tools, and the model card's example
+TOOLS = [
+    {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "offset": {"type": "integer"}, "limit": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"},
+        "replace_all": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+        "query": {"type": "string"}, "filters": {"type": "object"}, "langs": {"type": "array"},
+        "threshold": {"type": "number"}, "cursor": {"type": ["string", "null"]}}}}},
+    {"type": "function", "function": {"name": "get_candidate_status", "parameters": {"type": "object",
+        "properties": {"candidate_id": {"type": "string"}}, "required": ["candidate_id"]}}},
+]
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -18,9 +17,10 @@ from tandem_core.server.parse import Collected
 from tandem_core.server.template import render_chat
 from tandem_core.serving import Served
 from tandem_lfm25.toolcall import Lfm2CallParser
+from tandem_lfm25.serving import plugin_template
 from tandem_lfm25.toolformat import call_grammar, render_calls, render_tools
 
-TEMPLATE = (Path(conftest_lfm25.PLUGIN_SRC) / "tandem_lfm25" / "chat_template.jinja").read_text()
+TEMPLATE = plugin_template()
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read <a> file",
                                       "parameters": {"type": "object", "properties": {

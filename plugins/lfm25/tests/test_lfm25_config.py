@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest_lfm25 import lfm25_ckpts, load_runner, prompt  # noqa: F401  (fixture)
+from conftest_lfm25 import lfm25_ckpts, load_engine, load_weights_of, prompt  # noqa: F401  (fixture)
 
 from tandem_core.checkpoint.audit import AuditError
 from tandem_core.checkpoint.config import ConfigError
@@ -207,8 +207,8 @@ def test_sharded_checkpoint_loads_and_equals_the_single_file_one(lfm25_ckpts, tm
     lfm25_ckpts.moe.model.save_pretrained(path, max_shard_size="60KB")
     assert len(list(path.glob("model-*.safetensors"))) > 2
     ids = prompt(19)
-    one = load_runner(lfm25_ckpts.moe.path).prefill(ids, 0).logits
-    assert torch.equal(load_runner(path).prefill(ids, 0).logits, one)
+    one = load_engine(lfm25_ckpts.moe.path).forward(ids, all_logits=True)
+    assert torch.equal(load_engine(path).forward(ids, all_logits=True), one)
 
 
 def test_wrong_sha256_is_named(moe_copy):
@@ -224,11 +224,11 @@ def test_wrong_sha256_is_named(moe_copy):
 def test_the_weights_count_what_the_reference_holds(lfm25_ckpts):
     for kind in ("moe", "moe_untied", "dense"):
         ck = getattr(lfm25_ckpts, kind)
-        runner = load_runner(ck.path)
+        _, weights = load_weights_of(ck.path)
         persistent = dict(ck.model.state_dict())
         if ck.model.config.tie_word_embeddings:
             persistent.pop("lm_head.weight", None)
-        assert runner.w.parameter_count() == sum(t.numel() for t in persistent.values()), kind
-    moe = load_runner(lfm25_ckpts.moe.path).w
+        assert weights.parameter_count() == sum(t.numel() for t in persistent.values()), kind
+    _, moe = load_weights_of(lfm25_ckpts.moe.path)
     per_expert = 3 * 32 * 64
     assert moe.parameter_count() - moe.active_parameter_count(3) == 4 * (6 - 3) * per_expert

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest_lfm25 import VOCAB, lfm25_ckpts, load_runner, prefill, prompt  # noqa: F401  (fixture)
+from conftest_lfm25 import VOCAB, lfm25_ckpts, load_engine, prompt  # noqa: F401  (fixture)
 
 PROMPT = 70          # not a multiple of any chunk size used below
 KINDS = ["moe", "moe_untied", "dense"]
@@ -34,27 +34,17 @@ def test_the_checkpoints_exercise_what_they_should(lfm25_ckpts):
     bias = moe.model.layers[cfg.num_dense_layers].feed_forward.expert_bias
     assert float(bias.abs().min()) > 0                              # re-randomised, not the zeros it starts at
     assert set(cfg.layer_types) == {"conv", "full_attention"}
-    # the bias changes the selection of some token (so a runner ignoring it would fail the logits test)
-    runner = load_runner(lfm25_ckpts.moe.path)
-    from tandem_lfm25 import moe as moe_ops
-    from tandem_core.ops.act import sigmoid
-
-    layer = runner.w.layers[cfg.num_dense_layers].ffn
-    x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    logits = layer.router.matmul(x)
-    with_bias = moe_ops.route(logits, layer.expert_bias, 3, True, 1.5, sigmoid).experts
-    without = moe_ops.route(logits, None, 3, True, 1.5, sigmoid).experts
-    assert not torch.equal(with_bias, without)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_equal_transformers_at_every_position(lfm25_ckpts, reference_logits, kind):
     ids, ref = reference_logits
-    runner = load_runner(getattr(lfm25_ckpts, kind).path)
-    got = runner.prefill(ids, 0, logits="all").logits
+    eng = load_engine(getattr(lfm25_ckpts, kind).path)
+    got = eng.forward(ids, all_logits=True)
     assert got.shape == ref[kind].shape == (PROMPT, VOCAB)
     per_position = (got - ref[kind]).abs().amax(-1) / ref[kind].abs().max()
     assert float(per_position.max()) < 1e-4, f"worst position {int(per_position.argmax())}"
+    assert eng.kv.length == PROMPT
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
@@ -63,9 +53,10 @@ def test_hidden_after_the_final_norm_equals_transformers(lfm25_ckpts, reference_
     ck = getattr(lfm25_ckpts, kind)
     with torch.no_grad():
         ref = ck.model.model(ids[None]).last_hidden_state[0]
-    rows = load_runner(ck.path).prefill(ids, 0, logits="none")
-    assert rows.logits is None and rows.hidden.shape == ref.shape
-    assert rel_err(rows.hidden, ref) < 1e-4
+    eng = load_engine(ck.path, prefill_chunk=16)
+    eng.forward(ids)
+    assert eng.hidden_post_norm().shape == ref.shape
+    assert rel_err(eng.hidden_post_norm(), ref) < 1e-4
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
@@ -73,25 +64,26 @@ def test_hidden_after_the_final_norm_equals_transformers(lfm25_ckpts, reference_
 def test_chunked_prefill_equals_one_full_forward(lfm25_ckpts, reference_logits, kind, chunk):
     ids, ref = reference_logits
     path = getattr(lfm25_ckpts, kind).path
-    full = load_runner(path).prefill(ids, 0, logits="all").logits
-    got = prefill(load_runner(path), ids, chunk)
+    full = load_engine(path, prefill_chunk=4096).forward(ids, all_logits=True)
+    got = load_engine(path, prefill_chunk=chunk).forward(ids, all_logits=True)
     assert rel_err(got, full) < 1e-5
     assert rel_err(got, ref[kind]) < 1e-4
+    last = load_engine(path, prefill_chunk=chunk).forward(ids)
+    assert last.shape == (1, VOCAB) and rel_err(last, full[-1:]) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
 def test_prefill_then_decode_equals_one_full_forward(lfm25_ckpts, reference_logits, kind):
     ids, ref = reference_logits
     path = getattr(lfm25_ckpts, kind).path
-    runner = load_runner(path)
-    rows = [runner.prefill(ids[:60], 0, logits="all").logits]
-    for n in range(60, PROMPT):
-        rows.append(runner.decode(ids[n:n + 1], n).logits)
+    eng = load_engine(path, prefill_chunk=16)
+    rows = [eng.forward(ids[:60], all_logits=True)]
+    for t in ids[60:]:
+        rows.append(eng.forward([int(t)]))
     got = torch.cat(rows)
+    assert eng.kv.length == PROMPT
     assert rel_err(got, ref[kind]) < 1e-4
-    assert rel_err(got, load_runner(path).prefill(ids, 0).logits) < 1e-5
-    last = load_runner(path).prefill(ids, 0, logits="last").logits
-    assert last.shape == (1, VOCAB) and rel_err(last, got[-1:]) < 1e-5
+    assert rel_err(got, load_engine(path, prefill_chunk=4096).forward(ids, all_logits=True)) < 1e-5
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -102,14 +94,15 @@ def test_greedy_32_tokens_equal_transformers_generate(lfm25_ckpts, kind):
         ref = ck.model.generate(ids[None], max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, 23:]
     eos = ck.model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
-    runner = load_runner(ck.path)
-    logits = runner.prefill(ids, 0, logits="last").logits
+    eng = load_engine(ck.path)
+    logits = eng.forward(ids)
     out = []
-    for n in range(23, 23 + 32):
+    for _ in range(32):
+        logits = logits.clone()
         logits[:, eos] = float("-inf")                       # min_new_tokens: generate never picks an end token
-        tok = int(logits[-1].argmax())
+        tok = int(eng.picks(logits)[-1])
         out.append(tok)
-        logits = runner.decode(torch.tensor([tok]), n).logits
+        logits = eng.forward([tok])
     assert out == ref.tolist()
 
 
@@ -127,11 +120,11 @@ def _reference_state(cache, layer_types, length):
     }
 
 
-def _assert_state_equal(runner, ref, length, when):
-    sections, views = runner.buffers()
-    assert rel_err(sections["conv"], ref["conv"]) < 1e-5, when
-    assert rel_err(views["K"].head(length), ref["K"]) < 1e-5, when
-    assert rel_err(views["V"].head(length), ref["V"]) < 1e-5, when
+def _assert_state_equal(state, ref, length, when):
+    assert state.length == length
+    assert rel_err(state.sections["conv"], ref["conv"]) < 1e-5, when
+    assert rel_err(state.views["K"].head(length), ref["K"]) < 1e-5, when
+    assert rel_err(state.views["V"].head(length), ref["V"]) < 1e-5, when
 
 
 @pytest.mark.parametrize("kind,chunk", [("moe", 16), ("moe_untied", 33), ("dense", 7)])
@@ -145,17 +138,17 @@ def test_state_after_prefill_and_decode_equals_transformers_cache(lfm25_ckpts, r
         nxt = int(out.logits[0, -1].argmax())
         ck.model(torch.tensor([[nxt]]), cache=out.cache, use_cache=True)     # a decode step (the update kernel)
         after_decode = _reference_state(out.cache, types, PROMPT + 1)
-    runner = load_runner(ck.path)
-    prefill(runner, ids, chunk)
-    sections, views = runner.buffers()
+    eng = load_engine(ck.path, prefill_chunk=chunk)
+    eng.forward(ids)
+    st = eng.state
     n_conv, n_attn = types.count("conv"), types.count("full_attention")
-    assert set(sections) == {"conv"} and set(views) == {"K", "V"}
-    assert sections["conv"].shape == (n_conv, 64, 2) and sections["conv"].dtype == torch.float32
+    assert set(st.sections) == {"conv"} and set(st.views) == {"K", "V"}
+    assert st.sections["conv"].shape == (n_conv, 64, 2) and st.sections["conv"].dtype == torch.float32
     heads = ck.model.config.num_key_value_heads
-    assert views["K"].tensor.shape == (n_attn, heads, 256, 16) and views["K"].axis == 2
-    _assert_state_equal(runner, after_prefill, PROMPT, "prefill")
-    runner.decode(torch.tensor([nxt]), PROMPT)
-    _assert_state_equal(runner, after_decode, PROMPT + 1, "decode")
+    assert st.views["K"].tensor.shape == (n_attn, heads, 256, 16) and st.views["K"].axis == 2
+    _assert_state_equal(st, after_prefill, PROMPT, "prefill")
+    eng.forward([nxt])
+    _assert_state_equal(eng.state, after_decode, PROMPT + 1, "decode")
 
 
 def test_short_prompt_conv_tail_is_zero_padded_like_transformers(lfm25_ckpts):
@@ -163,18 +156,18 @@ def test_short_prompt_conv_tail_is_zero_padded_like_transformers(lfm25_ckpts):
     ck = lfm25_ckpts.moe
     with torch.no_grad():
         cache = ck.model(ids[None], use_cache=True).cache
-    runner = load_runner(ck.path)
-    runner.prefill(ids, 0)
-    conv = runner.buffers()[0]["conv"]
+    eng = load_engine(ck.path)
+    eng.forward(ids)
+    conv = eng.state.sections["conv"]
     assert rel_err(conv[0], cache.layers[0].conv_states[0][0][:, 1:]) < 1e-6
-    runner.reset()
-    runner.decode(ids[:1], 0)                                 # one token: the oldest tail column stays zero
-    assert torch.all(runner.buffers()[0]["conv"][0][:, 0] == 0)
-    assert not torch.all(runner.buffers()[0]["conv"][0][:, 1] == 0)
+    eng.reset()
+    eng.forward(ids[:1])                                      # one token: the oldest tail column stays zero
+    assert torch.all(eng.state.sections["conv"][0][:, 0] == 0)
+    assert not torch.all(eng.state.sections["conv"][0][:, 1] == 0)
 
 
 def test_bf16_weights_track_fp32(lfm25_ckpts, reference_logits):
     ids, ref = reference_logits
-    got = load_runner(lfm25_ckpts.moe.path, dtype="bf16").prefill(ids, 0).logits
+    got = load_engine(lfm25_ckpts.moe.path, dtype="bf16").forward(ids, all_logits=True)
     assert got.dtype == torch.float32
     assert rel_err(got, ref["moe"]) < 0.05
