@@ -12,6 +12,16 @@ import torch
 from conftest_lfm25 import VOCAB, lfm25_ckpts, load_engine, prompt  # noqa: F401  (fixture)
 
 PROMPT = 70          # not a multiple of any chunk size used below
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models' tensors are far below ATen's grain: one thread changes no arithmetic and keeps the many
+    small calls fast on a busy 2-core runner."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 KINDS = ["moe", "moe_untied", "dense"]
 
 

@@ -1,7 +1,6 @@
 """The LFM2 runner under the core's sequence engine, on the tiny re-randomised checkpoints (fp32 unless named).
 
-For each checkpoint (the mixture of experts with its expert bias, the untied one without it, the dense one)
-the runner passes the runner conformance suite (``tandem_core.testing.conformance``: chains and trees of
+For the mixture of experts (with its expert bias) and the dense checkpoint the runner passes the runner conformance suite (``tandem_core.testing.conformance``: chains and trees of
 every width bit for bit against plain decode, commits, rejected branches, pending tokens and rollbacks,
 resume at an anchor, traces, taps, oracle speculation, the self-check). A random tree in bf16 is its decode
 rows too. The experts' grouping is checked on its own: a row's result does not depend on which other rows
@@ -57,13 +56,6 @@ class TestLfm2MoeRunner(RunnerContract):
         assert set(eng.state.sections) == {"conv"} and set(eng.state.views) == {"K", "V"}
         parts = {p.name for p in eng.memory_parts()}
         assert {"weights", "conv", "kv"} <= parts
-
-
-class TestLfm2MoeUntiedRunner(RunnerContract):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def case(cls, lfm25_ckpts):
-        return lfm25_case(lfm25_ckpts.moe_untied.path)
 
 
 class TestLfm2DenseRunner(RunnerContract):
