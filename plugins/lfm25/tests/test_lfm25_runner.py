@@ -18,7 +18,7 @@ from conftest_lfm25 import VOCAB, lfm25_ckpts, load_engine, load_weights_of, pro
 
 from tandem_core.ops.act import sigmoid, silu
 from tandem_core.ops.rows import linear_rows
-from tandem_core.testing.conformance import RunnerCase, RunnerContract
+from tandem_core.testing.conformance import RunnerCase, RunnerContract, check_a_batched_linear_fails_at_width_two
 from tandem_core.testing.trees import assert_same_state, path_to, plain_rows_of_tree, random_tree
 from tandem_lfm25 import moe
 
@@ -63,6 +63,13 @@ class TestLfm2DenseRunner(RunnerContract):
     @classmethod
     def case(cls, lfm25_ckpts):
         return lfm25_case(lfm25_ckpts.dense.path)
+
+
+def test_a_batched_linear_kernel_fails_the_self_check_at_width_two(lfm25_ckpts):
+    case = lfm25_case(lfm25_ckpts.moe.path)
+    lin = case.build(max_context=8).runner.w.layers[0].mixer.in_proj
+    check_a_batched_linear_fails_at_width_two(lambda: case.build(max_context=256), lin.matmul, lin.shape[1],
+                                              "layer 0 conv mixer")
 
 
 def test_tree_rows_equal_decode_rows_in_bf16(lfm25_ckpts):
