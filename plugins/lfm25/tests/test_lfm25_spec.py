@@ -2,7 +2,9 @@
 server and the ``openai`` client.
 
 - In the engine: ``SpecDecode`` against the plain loop, token for token, greedy (20 prompts, every drafted node
-  verified) and seeded sampling (8 prompts), and the conv tails and K/V equal after each answer.
+  verified) and seeded sampling (8 prompts), and the conv tails and K/V equal after each answer; the lookup
+  drafter with a corpus built with the family's tokenizer drafts from it (and a corpus of another tokenizer
+  is refused by name).
 - Through the server (``tandem serve`` on the tiny checkpoint, the plugin's chat template, the test tokenizer):
   ``--spec lookup`` answers as ``--spec off`` does, the load-time self-check passes, and a chat streams.
 """
@@ -72,6 +74,31 @@ def test_speculative_equals_plain_in_the_engine(lfm25_ckpts, params, n_prompts):
         rounds += dec.stats.rounds
         tokens += dec.stats.tokens
     assert tokens > rounds, f"{tokens} tokens in {rounds} rounds: no draft was ever accepted"
+
+
+def test_the_lookup_drafter_drafts_from_a_corpus_built_with_the_family_tokenizer(lfm25_ckpts, tmp_path):
+    from lfm2_tokenizer import lfm2_tokenizer
+    from tandem_drafters.corpus import TokenizerMismatch, build_store
+
+    tok = lfm2_tokenizer()
+    path = lfm25_ckpts.moe.path
+    spec_engine, plain_engine = load_engine(path), load_engine(path)
+    # what the model answers greedily after a prompt, as a document the corpus holds
+    prompt_ids = tok.encode("def add(x, y):")
+    want = [t for c in Decode(plain_engine, DecodeRequest(prompt_ids, 24, SamplingParams(temperature=0.0)),
+                              IdDetok()).run() for t in c.tokens]
+    store = build_store([prompt_ids + want, tok.encode("Some other text, about the weather.")],
+                        tmp_path / "corpus.bin", tok.fingerprint())
+    assert store.exists()
+    target = TargetInfo.of(spec_engine.caps, tokenizer=tok.fingerprint(), vocab_size=VOCAB)
+    spec = Speculation([build_drafter("lookup", target, corpus=store)], StairCut(flat_prices(), max_tree=16), 16)
+    dec = SpecDecode(spec_engine, DecodeRequest(prompt_ids, 24, SamplingParams(temperature=0.0)), IdDetok(),
+                     speculation=spec)
+    assert [t for c in dec.run() for t in c.tokens] == want
+    assert dec.stats.tokens >= 2 * dec.stats.rounds, "the corpus continuation was not accepted"
+    other = TargetInfo.of(spec_engine.caps, tokenizer="0" * 64, vocab_size=VOCAB)
+    with pytest.raises(TokenizerMismatch, match="tokenizer"):
+        build_drafter("lookup", other, corpus=store)
 
 
 @pytest.fixture(scope="module")
