@@ -32,6 +32,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -184,10 +185,11 @@ class Server:
     def __init__(self, ckpt: Path, home: Path, device: str, max_context: int, *args: str,
                  env: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        tandem = Path(sys.executable).with_name("tandem")
-        cmd = [str(tandem) if tandem.exists() else sys.executable, *([] if tandem.exists() else
-               ["-m", "tandem_core.cli.main"]), "serve", "--model", str(ckpt), "--device", device, "--port",
-               str(self.port), "--max-context", str(max_context), *args]
+        tandem = shutil.which("tandem") or str(Path(sys.executable).with_name("tandem"))
+        if not Path(tandem).exists():
+            raise RuntimeError("no `tandem` command: install TandemLLM first (pip install . plugins/qwen38_27b ...)")
+        cmd = [tandem, "serve", "--model", str(ckpt), "--device", device, "--port", str(self.port),
+               "--max-context", str(max_context), *args]
         e = {**os.environ, "TANDEM_HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.t0 = time.time()
         self.proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -257,11 +259,15 @@ class Server:
         return [float(m.group(1)) for line in self.lines for m in [re.search(r"decode=([\d.]+)tok/s", line)] if m]
 
     def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 # -- measurements --------------------------------------------------------------------------------------------
@@ -333,19 +339,22 @@ def ttft_stage(srv: Server, R: Results, vocab: int, lengths: list[int]) -> None:
 
 
 def session_stage(srv: Server, R: Results, vocab: int, turns: int = 10, tool: int = 300, answer: int = 64) -> None:
+    """The turns back to back (nothing else in between, as an agent's session runs), then a cold prompt of each
+    turn's new tokens alone on its own (after the session: a cold prompt replaces the resident prefix)."""
     client, rng, model = srv.client(), random.Random(3), srv.model
     prompt, rows = ids(rng, 2000, vocab), []
     for turn in range(turns):
         got = stream_times(client, prompt, answer, model)
-        first = got.ttft
         out_ids = [int(w[1:]) for w in got.text.split() if w.startswith("w") and w[1:].isdigit()]
         new = out_ids + ids(rng, tool, vocab)
-        cold = stream_times(client, ids(rng, len(new), vocab), 1, model).ttft
-        rows.append({"turn": turn + 1, "prompt": len(prompt), "warm_ttft_s": round(first, 3),
-                     "cold_new_tokens_s": round(cold, 3), "ratio": round(first / cold, 2) if cold else None})
+        rows.append({"turn": turn + 1, "prompt": len(prompt), "new_tokens": len(prompt) - (rows[-1]["prompt"]
+                     if rows else 0), "warm_ttft_s": round(got.ttft, 3)})
         prompt = prompt + new
-        R.put("session", rows)
-    log("session: " + ", ".join(f"{r['warm_ttft_s']}/{r['cold_new_tokens_s']}" for r in rows))
+    for r in rows[1:]:
+        cold = stream_times(client, ids(rng, r["new_tokens"], vocab), 1, model).ttft
+        r.update(cold_new_tokens_s=round(cold, 3), ratio=round(r["warm_ttft_s"] / cold, 2) if cold else None)
+    R.put("session", rows)
+    log("session: " + ", ".join(f"{r['warm_ttft_s']}/{r.get('cold_new_tokens_s')}" for r in rows))
 
 
 def side_stage(srv: Server, R: Results, vocab: int, key: str, long_tokens: int = 600, n_short: int = 5) -> None:
@@ -487,8 +496,10 @@ def report(D: dict[str, Any]) -> str:
         lines.append(f"| time to first token, {int(T):,}-token prompt | {v['ttft_s']} s ({v['prefill_tok_s']} tok/s); "
                      f"decode there {v['decode_ms_token_there']} ms/token |")
     for r in D.get("session") or []:
-        lines.append(f"| session turn {r['turn']} ({r['prompt']} tokens held) | warm {r['warm_ttft_s']} s vs the new "
-                     f"tokens cold {r['cold_new_tokens_s']} s ({r['ratio']}x) |")
+        if "cold_new_tokens_s" in r:
+            lines.append(f"| session turn {r['turn']} ({r['prompt']:,} tokens, {r['new_tokens']} new) | warm "
+                         f"{r['warm_ttft_s']} s vs the new tokens alone, cold {r['cold_new_tokens_s']} s "
+                         f"({r['ratio']}x) |")
     for key, name in (("side_on", "side lane on"), ("side_off", "side lane off")):
         if key in D:
             lines.append(f"| short requests during a long one, {name} | median {D[key]['median_s']} s "
@@ -514,6 +525,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=540.0)
     ap.add_argument("--max-context", type=int, default=140000)
     ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--decode-context", type=int, default=4096, help="the prompt the decode rate is measured after")
     ap.add_argument("--ttft", default="2048,8192,32768,131072")
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--skip", default="", help="comma-separated stages to leave out")
@@ -535,7 +547,7 @@ def main() -> int:
         with R.stage("memory", skip):
             memory_stage(srv, R)
         with R.stage("decode", skip):
-            decode_stage(srv, R, vocab, 4096, a.decode_tokens)
+            decode_stage(srv, R, vocab, a.decode_context, a.decode_tokens)
         with R.stage("ttft", skip):
             ttft_stage(srv, R, vocab, [int(x) for x in a.ttft.split(",") if x and int(x) < a.max_context])
         with R.stage("session", skip):
@@ -549,7 +561,7 @@ def main() -> int:
                 off = Server(ckpt, home / "off", a.device, a.max_context, "--spec", "off", "--no-cache")
                 servers.append(off)
                 R.put("load_s_off", off.wait(600))
-                spec_cost_stage(srv, off, R, vocab, 4096, a.decode_tokens)
+                spec_cost_stage(srv, off, R, vocab, a.decode_context, a.decode_tokens)
                 off.stop()
         with R.stage("side_off", skip) as st:
             if st.run:
@@ -562,8 +574,9 @@ def main() -> int:
         for s in servers:
             s.stop()
         R.put("server_log_tail", srv.lines[-30:])
-    with R.stage("peer", skip if a.peer else skip | {"peer"}):
-        peer_stage(ckpt, R, out)
+    with R.stage("peer", skip if a.peer else skip | {"peer"}) as st:
+        if st.run:
+            peer_stage(ckpt, R, out)
     md = report(R.data)
     (out / "serve.md").write_text(md + "\n")
     print(md)

@@ -15,7 +15,7 @@ from tandem_core.cli import LoadFailed
 if TYPE_CHECKING:  # the serving records import torch; a refusal before the load must not wait for it
     from tandem_core.serving import ServeArgs, ServeContext, Served
 
-__all__ = ["resolve", "load", "one_line"]
+__all__ = ["resolve", "load", "one_line", "placement"]
 
 
 def one_line(exc: BaseException) -> str:
@@ -33,6 +33,20 @@ def resolve(model: str | None, weights: str | None) -> tuple[str, str]:
     except (catalog.ModelNotFound, catalog.RegistryError) as exc:
         raise LoadFailed(one_line(exc)) from None
     return model_id, str(path)
+
+
+def placement(device: str | None, dtype: str | None) -> tuple[str, str]:
+    """``(device, dtype)`` from ``--device`` and ``--dtype``: ``auto`` resolved (the first CUDA device torch sees,
+    else the CPU), the dtype defaulting per device (bf16 on CUDA, fp32 on the CPU). A device that is not
+    there is a usage error (``CliError``, one line naming it)."""
+    from tandem_core.cli import CliError
+    from tandem_core.devices import DeviceError, default_dtype, resolve_device
+
+    try:
+        dev = resolve_device(device)
+    except DeviceError as exc:
+        raise CliError(str(exc)) from None
+    return dev, dtype or default_dtype(dev)
 
 
 def load(model: str | None, weights: str | None, args: ServeArgs, ctx: ServeContext) -> Served:

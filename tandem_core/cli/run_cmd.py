@@ -23,7 +23,10 @@ def configure_run(p: argparse.ArgumentParser) -> None:
     src.add_argument("--ids", help="prompt token ids, comma-separated")
     p.add_argument("--chat", action="store_true", help="wrap --prompt as one user message in the chat template")
     p.add_argument("--max-tokens", type=positive_int, default=32)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                   help="where the model runs (default auto: the first CUDA device torch sees, else the CPU)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="what it computes in (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--max-context", type=positive_int, default=4096)
     p.add_argument("--print-ids", action="store_true", help="print the generated token ids too")
     p.add_argument("--verbose", action="store_true", help="print the load stages on stderr")
@@ -42,14 +45,15 @@ def _ids(text: str) -> list[int]:
 def run_run(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem_core.cli.load import load
+    from tandem_core.cli.load import load, placement
     from tandem_core.serving import ServeArgs, ServeContext
 
     ids = _ids(args.ids) if args.ids is not None else None
     if args.prompt is not None and not args.prompt:
         raise CliError("--prompt: empty (give some text, or --ids)")
     ctx = ServeContext(log=(lambda line: print(line, file=sys.stderr)) if args.verbose else None)
-    served = load(args.model, args.weights, ServeArgs(model_id="", path=None, dtype=args.dtype,  # type: ignore[arg-type]
+    device, dtype = placement(args.device, args.dtype)
+    served = load(args.model, args.weights, ServeArgs(model_id="", path=None, device=device, dtype=dtype,  # type: ignore[arg-type]
                                                       max_context=args.max_context), ctx)
     tok = served.tokenizer
     if ids is not None:

@@ -35,7 +35,10 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", type=int, default=8, help="requests that may wait for an engine (then 429)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
     p.add_argument("--max-context", type=int, default=8192, help="the most tokens one sequence holds")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                   help="where the model runs (default auto: the first CUDA device torch sees, else the CPU)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="what it computes in (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--ledger", help="the usage ledger's SQLite file (default: $TANDEM_HOME/ledger.sqlite)")
     p.add_argument("--spec", default="lookup", metavar="off|DRAFTER[,DRAFTER]",
                    help="speculative decoding: 'off', or the drafters to merge (default: lookup); on only "
@@ -152,7 +155,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
            mem_peak: int | None, log: logging.Logger) -> int:
     import uvicorn
 
-    from tandem_core.cli.load import load
+    from tandem_core.cli.load import load, placement
     from tandem_core.server.app import ParallelUnavailable, ServerOptions, ServerState, build_app
     from tandem_core.server.caches import CacheOptions
     from tandem_core.server.ledger import default_path
@@ -161,7 +164,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
 
     ctx = ServeContext(log=lambda line: log.info("%s", line), progress=_Bar())
     t0 = time.perf_counter()
-    served = load(args.model, args.weights, ServeArgs(model_id="", path=Path("."), dtype=args.dtype,
+    device, dtype = placement(args.device, args.dtype)
+    log.info("device %s, dtype %s", device, dtype)
+    served = load(args.model, args.weights, ServeArgs(model_id="", path=Path("."), device=device, dtype=dtype,
                                                       max_context=args.max_context,
                                                       threads=int(SETTINGS.get("THREADS"))), ctx)
     for stage, t in served.info.get("load_stages", ctx.stages):

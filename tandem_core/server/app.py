@@ -122,6 +122,23 @@ class ServerState:
                   f"tandem_side_lane_waiting {sum(len(lane) for lane in self.lanes)}"]
         if self.caches is not None:
             lines += self.caches.metric_lines()
+        return lines + self._engine_lines()
+
+    def _engine_lines(self) -> list[str]:
+        """Where the engines run, their memory by part and device, and the widths captured as graphs."""
+        caps = self.served.engine.caps
+        lines = ["# HELP tandem_engine_info The engines' device, dtype and widest verify (value 1).",
+                 "# TYPE tandem_engine_info gauge",
+                 f'tandem_engine_info{{device="{caps.device}",dtype="{caps.dtype}",max_tree="{caps.max_tree}"}} 1',
+                 "# HELP tandem_engine_memory_bytes Memory each engine holds, by part and device.",
+                 "# TYPE tandem_engine_memory_bytes gauge"]
+        for i, slot in enumerate(self.admission.slots):
+            for part in slot.engine.memory_parts():
+                lines.append(f'tandem_engine_memory_bytes{{engine="{i}",part="{part.name}",device="{part.device}"}} '
+                             f"{part.nbytes}")
+        lines += ["# HELP tandem_engine_graph_widths Verify widths captured as CUDA graphs (none: eager).",
+                  "# TYPE tandem_engine_graph_widths gauge"]
+        lines += [f'tandem_engine_graph_widths{{width="{w}"}} 1' for w in caps.graph_widths]
         return lines
 
     def _gauges(self) -> dict[str, float]:
@@ -211,6 +228,13 @@ class ServerState:
         self.active.add(side.cancel)
         fut.add_done_callback(lambda _f: self.active.discard(side.cancel))
         return fut, side.cancel
+
+    def affinity(self, job: Job) -> Callable[[Slot], int] | None:
+        """How much of ``job``'s prompt each engine's resident prefix holds (None without caches)."""
+        if self.caches is None or len(self.admission.slots) < 2:
+            return None
+        caches = self.caches
+        return lambda slot: caches.engine(slot.index).holds(job.decode.prompt)
 
     def admit(self, job: Job, slot: Slot) -> None:
         """The memory gate before the request runs: ``MemoryGateError`` for a prompt that can never fit."""
@@ -436,6 +460,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             "load_stages": info.get("load_stages", []),
             "memory": [{"name": m.name, "bytes": m.nbytes, "device": m.device} for m in eng.memory_parts()],
             "engine": {"device": eng.caps.device, "dtype": eng.caps.dtype, "max_context": state.max_context,
+                       "graph_widths": list(eng.caps.graph_widths), "max_tree": eng.caps.max_tree,
                        "engines": len(state.admission.slots), "busy": state.admission.busy,
                        "waiting": len(state.admission.waiting), "queue": state.admission.limit,
                        "side_lane": {"waiting": sum(len(lane) for lane in state.lanes),
@@ -477,7 +502,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
         if is_short(job) and not state.admission.free and state.side_room():
             return await side(request, job)     # no await before it is offered: the lane cannot close first
         try:
-            ticket = state.admission.enter()
+            ticket = state.admission.enter(state.affinity(job))
         except QueueFull as exc:
             state.metrics.reject("queue_full")
             return _error(429, str(exc), kind="rate_limit_error", code="queue_full",

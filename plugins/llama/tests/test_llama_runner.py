@@ -161,6 +161,29 @@ def twin_row(twin, base, tokens, parents, i):
     return row
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+class TestLlamaCudaRunner(RunnerContract):
+    """The same runner on a CUDA device: the weights dense in bf16 there (``weights.on_device``)."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, gguf_path):
+        from tandem_llama.model import build_engine
+        from tandem_llama.weights import on_device
+
+        r = serve_tiny(gguf_path).engine.runner
+        w = on_device(r.w, "cuda:0", torch.bfloat16)
+
+        def build(max_context: int = 256, max_tree: int = 64, **kw):
+            return build_engine(r.cfg, w, max_context=max_context, max_tree=max_tree, device="cuda:0", **kw)
+
+        return RunnerCase(build=build, vocab=VOCAB, prompt=lambda n, seed: prompt(n, seed))
+
+    def test_it_runs_on_the_device_in_bf16(self, eng):
+        assert eng.caps.device == "cuda:0" and eng.caps.dtype == "bf16"
+        assert eng.state.views["K"].tensor.is_cuda
+
+
 # -- speculation: the real loop with the lookup drafter, and an oracle -----------------------------------
 class IdDetok:
     def push(self, t: int) -> str:
