@@ -1,16 +1,19 @@
-"""The refactor gate's run: the exact bytes of a tiny qwen3_5 engine's prefill and decode, hashed.
+"""The refactor gate's run: the exact bytes of tiny qwen3_5 and lfm2_moe engines' prefill and decode, hashed.
 
     python tests/refactor_gate_run.py            print the hashes (run pinned, in a child process)
     python tests/refactor_gate_run.py --record   re-record tests/fixtures/refactor_gate.json
 
-The tiny model is built from a seed here (no checkpoint, no transformers): the
+Each tiny model is built from a seed here (no checkpoint, no transformers): the
 config goes through the plugin's strict reader, the tensors through its
 ``build_weights``, the run through the core's ``SequenceEngine`` over the plugin's
 reference runner. What is hashed: every logit
 and the post-norm hidden rows of a chunked prefill, then of two decode steps,
-and every byte of the state (``gdn.S``, ``gdn.conv`` whole; ``K``, ``V`` up to the
-length) after each; then a block verify and its commit, a rollback of two pending
-tokens, and a tree verify (two roots, a branch) with the commit of one path.
+and every byte of the state (the sections whole: ``gdn.S``, ``gdn.conv`` or LFM2's
+``conv``; ``K``, ``V`` up to the length) after each; then a block verify and its
+commit, a rollback of two pending tokens, and a tree verify (two roots, a branch)
+with the commit of one path. The qwen3_5 run's keys are bare, the lfm2_moe run's
+(conv and attention layers, a dense layer then experts with an expert bias, top 2
+of 4) start with ``lfm2_moe.``.
 
 The child runs with one thread and the environment that pins kernel choice, so
 the bytes do not depend on the CPU's vector width: ``ATEN_CPU_CAPABILITY=default``
@@ -32,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "refactor_gate.json"
 PLUGIN_SRC = ROOT / "plugins" / "qwen38_27b"
+LFM25_SRC = ROOT / "plugins" / "lfm25"
 
 PINNED = {
     "ATEN_CPU_CAPABILITY": "default",
@@ -60,6 +64,15 @@ PROMPT_LEN = 21
 PREFILL_CHUNK = 8
 GDN_CHUNK = 8
 DECODES = 2
+LFM2_CONFIG = {
+    "architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe",
+    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
+    "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "conv_L_cache": 3, "conv_bias": False,
+    "num_experts": 4, "num_experts_per_tok": 2, "num_dense_layers": 1, "use_expert_bias": True,
+    "norm_topk_prob": True, "routed_scaling_factor": 1.25, "norm_eps": 1e-5, "max_position_embeddings": 128,
+    "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
 
 
 def _digest(t) -> str:
@@ -71,47 +84,32 @@ def _digest(t) -> str:
     return h.hexdigest()
 
 
-def run() -> dict[str, str]:
-    """The gate's hashes (call in a pinned process)."""
+def _tensors(expected, rng, vector) -> dict:
+    """Every expected tensor drawn from ``rng`` (numpy's generator, not torch.randn: torch's normal sampler takes
+    a different path on each vector width); matrices by their fan-in, vectors by ``vector(name, r)``."""
     import numpy as np
     import torch
 
-    for src in (ROOT, PLUGIN_SRC):  # the checkout's sources, installed or not
-        if str(src) not in sys.path:
-            sys.path.insert(0, str(src))
-    from tandem_qwen38.config import read_config
-    from tandem_qwen38.serving import build_engine
-    from tandem_qwen38.weights import build_weights, expected_tensors
-
-    torch.set_num_threads(1)
-    cfg = read_config(RAW_CONFIG)
-    # numpy's generator, not torch.randn: torch's normal sampler takes a different path on each vector width
-    rng = np.random.default_rng(SEED)
     tensors = {}
-    for name, exp in sorted(expected_tensors(cfg).items()):
+    for name, exp in sorted(expected.items()):
         r = torch.from_numpy(rng.standard_normal(exp.shape, dtype=np.float32))
-        if name.endswith("A_log"):
-            r = r * 0.5 - 1.0
-        elif len(exp.shape) >= 2:
-            r = r / exp.shape[-1] ** 0.5
-        else:
-            r = r * 0.2
-        tensors[name] = r
-    weights = build_weights(tensors, cfg, "fp32", identity="refactor-gate")
-    eng = build_engine(cfg, weights, 64, PREFILL_CHUNK, gdn_chunk=GDN_CHUNK)
-    ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, PROMPT_LEN))
+        tensors[name] = r / exp.shape[-1] ** 0.5 if len(exp.shape) >= 2 else vector(name, r)
+    return tensors
 
-    out: dict[str, str] = {}
+
+def _scenario(eng, ids, out: dict[str, str], prefix: str = "") -> None:
+    """Prefill, decodes, a block verify and commit, a rollback, a tree verify and commit: every byte hashed."""
+    import torch
 
     def record(tag: str, logits) -> None:
-        out[f"{tag}.logits"] = _digest(logits)
-        out[f"{tag}.hidden"] = _digest(eng.hidden_post_norm())
+        out[f"{prefix}{tag}.logits"] = _digest(logits)
+        out[f"{prefix}{tag}.hidden"] = _digest(eng.hidden_post_norm())
         st = eng.state
         for k, v in sorted(st.sections.items()):
-            out[f"{tag}.state.{k}"] = _digest(v)
+            out[f"{prefix}{tag}.state.{k}"] = _digest(v)
         for k, v in sorted(st.views.items()):
-            out[f"{tag}.state.{k}"] = _digest(v.head(st.length))
-        out[f"{tag}.length"] = str(st.length)
+            out[f"{prefix}{tag}.state.{k}"] = _digest(v.head(st.length))
+        out[f"{prefix}{tag}.length"] = str(st.length)
 
     with torch.no_grad():
         logits = eng.forward(ids, all_logits=True)
@@ -122,12 +120,12 @@ def run() -> dict[str, str]:
         # speculation's verbs: a block verify, a rollback inside it, a tree verify and its commit
         nxt = int(eng.picks(logits[-1:])[0])
         block = torch.tensor([nxt, 5, 17, 33], dtype=torch.long)
-        out["block.logits"] = _digest(eng.forward_block(block).logits)
+        out[f"{prefix}block.logits"] = _digest(eng.forward_block(block).logits)
         eng.commit_tree([0, 1, 2, 3])
         record("block_commit", eng.forward_block(torch.tensor([7], dtype=torch.long)).logits)
         eng.discard_pending()
         eng.trim_pending(2)
-        out["rollback.length"] = str(eng.state.length)
+        out[f"{prefix}rollback.length"] = str(eng.state.length)
         eng.settle()
         tree = torch.tensor([9, 4, 11, 4, 2, 8], dtype=torch.long)
         parents = torch.tensor([-1, 0, 0, 1, 3, -1], dtype=torch.long)
@@ -135,6 +133,53 @@ def run() -> dict[str, str]:
         eng.commit_tree([0, 1, 3, 4])
         record("tree_commit", tree_logits)
         eng.settle()
+
+
+def _qwen(out: dict[str, str]) -> None:
+    import numpy as np
+    import torch
+
+    from tandem_qwen38.config import read_config
+    from tandem_qwen38.serving import build_engine
+    from tandem_qwen38.weights import build_weights, expected_tensors
+
+    cfg = read_config(RAW_CONFIG)
+    rng = np.random.default_rng(SEED)
+    tensors = _tensors(expected_tensors(cfg), rng,
+                       lambda name, r: r * 0.5 - 1.0 if name.endswith("A_log") else r * 0.2)
+    weights = build_weights(tensors, cfg, "fp32", identity="refactor-gate")
+    eng = build_engine(cfg, weights, 64, PREFILL_CHUNK, gdn_chunk=GDN_CHUNK)
+    _scenario(eng, torch.from_numpy(rng.integers(0, cfg.vocab_size, PROMPT_LEN)), out)
+
+
+def _lfm2(out: dict[str, str]) -> None:
+    import numpy as np
+    import torch
+
+    from tandem_lfm25.config import read_config
+    from tandem_lfm25.serving import build_engine
+    from tandem_lfm25.weights import build_weights, expected_tensors
+
+    cfg = read_config(LFM2_CONFIG)
+    rng = np.random.default_rng(SEED + 1)
+    # LFM2's norm weights are plain (around one); the expert bias at the sigmoid router's scale
+    tensors = _tensors(expected_tensors(cfg), rng, lambda name, r: 1.0 + 0.2 * r if "norm" in name else r * 0.3)
+    weights = build_weights(tensors, cfg, "fp32", identity="refactor-gate")
+    eng = build_engine(cfg, weights, 64, PREFILL_CHUNK)
+    _scenario(eng, torch.from_numpy(rng.integers(0, cfg.vocab_size, PROMPT_LEN)), out, "lfm2_moe.")
+
+
+def run() -> dict[str, str]:
+    """The gate's hashes (call in a pinned process)."""
+    import torch
+
+    for src in (ROOT, PLUGIN_SRC, LFM25_SRC):  # the checkout's sources, installed or not
+        if str(src) not in sys.path:
+            sys.path.insert(0, str(src))
+    torch.set_num_threads(1)
+    out: dict[str, str] = {}
+    _qwen(out)
+    _lfm2(out)
     return out
 
 
@@ -159,8 +204,8 @@ def main(argv: list[str]) -> int:
     hashes = run_pinned()
     if "--record" in argv:
         FIXTURE.parent.mkdir(parents=True, exist_ok=True)
-        about = ("tests/refactor_gate_run.py: sha256 of every logit and state byte of a tiny qwen3_5 "
-                 "engine's prefill, decodes, block verify, rollback, tree verify and commits")
+        about = ("tests/refactor_gate_run.py: sha256 of every logit and state byte of tiny qwen3_5 and lfm2_moe "
+                 "engines' prefill, decodes, block verify, rollback, tree verify and commits")
         FIXTURE.write_text(json.dumps({"about": about, "hashes": hashes}, indent=1, sort_keys=True) + "\n")
         print(f"recorded {len(hashes)} hashes in {FIXTURE.relative_to(ROOT)}")
     else:

@@ -1,8 +1,9 @@
 """Real engines through every cache tier: a restore, then the rest of the prompt, equals a cold prefill.
 
 For the tiny Qwen3.8 checkpoint (Gated DeltaNet + gated attention, written by
-transformers 5.24 with ``save_pretrained``) and a tiny Llama (attention only, likewise),
-in fp32 on the CPU, a prompt resumed from
+transformers 5.24 with ``save_pretrained``), a tiny Llama (attention only, likewise) and a
+tiny LFM2 mixture of experts (gated short convolutions + attention, likewise), in fp32 on
+the CPU, a prompt resumed from
 
 - the resident prefix (the end anchor of the last generation: turn n+1 = turn n's
   prompt + answer + tool result; and a grid anchor for a prompt that diverges),
@@ -19,7 +20,9 @@ to matmul blocking: the bound is 1e-6 relative (measured 0 to ~1e-7). The Qwen3.
 engine's chunked gated delta rule sums a chunk's contributions in another order when
 the chunks start at another position (a resume at 307 chunks from 307, a cold prefill
 from 0): fp32 reassociation only, measured below 2e-6 relative; the bound is 1e-5
-relative to the largest logit. Each cold prefill is itself checked against
+relative to the largest logit. The LFM2 engine's rows depend on the chunking only through
+matmul blocking too (its conv is summed tap by tap, its experts run per group): 1e-6.
+Each cold prefill is itself checked against
 transformers (1e-4, the plugins' own bound) so the comparison is against the reference
 model, not only against ourselves.
 """
@@ -32,6 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest_lfm25 import lfm25_ckpts  # noqa: F401  (fixture)
+from conftest_lfm25 import load_engine as load_lfm25
 from conftest_qwen38 import load_engine, qwen38_ckpts, write_tokenizer  # noqa: F401  (fixture)
 
 from tandem_core.cache import CacheStack, DiskTier, ResidentPrefix, SnapshotStore
@@ -43,6 +48,7 @@ CHUNK = 48          # prefill chunks of the cache stack
 REST = 5            # tokens forwarded after the prompt, their logits compared too
 QWEN_BOUND = 1e-5
 LLAMA_BOUND = 1e-6
+LFM25_BOUND = 1e-6
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,7 +109,14 @@ def llama(tmp_path_factory):
     return Model("llama", path, cfg.vocab_size, LLAMA_BOUND, load, model)
 
 
-@pytest.fixture(params=["qwen", "llama"])
+@pytest.fixture(scope="module")
+def lfm25(lfm25_ckpts):  # noqa: F811
+    ck = lfm25_ckpts.moe
+    return Model("lfm2_moe", ck.path, ck.model.config.vocab_size, LFM25_BOUND,
+                 lambda: load_lfm25(ck.path, max_context=640), ck.model)
+
+
+@pytest.fixture(params=["qwen", "llama", "lfm25"])
 def model(request) -> Model:
     return request.getfixturevalue(request.param)
 

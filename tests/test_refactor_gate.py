@@ -1,4 +1,4 @@
-"""The refactor gate: the exact bytes of a tiny qwen3_5 engine's run must not move.
+"""The refactor gate: the exact bytes of tiny qwen3_5 and lfm2_moe engines' runs must not move.
 
 Every logit and every byte of state after a chunked prefill and two decode steps
 is hashed (tests/refactor_gate_run.py) in a child process pinned to one thread
@@ -34,6 +34,9 @@ def test_every_byte_equals_the_recorded_run(pinned_hashes):
     for tag in ("prefill", "decode0", "decode1"):
         assert {f"{tag}.logits", f"{tag}.hidden", f"{tag}.state.gdn.S", f"{tag}.state.gdn.conv",
                 f"{tag}.state.K", f"{tag}.state.V"} <= set(recorded)
+    for tag in ("prefill", "decode0", "decode1", "block_commit", "tree_commit"):
+        assert {f"lfm2_moe.{tag}.logits", f"lfm2_moe.{tag}.hidden", f"lfm2_moe.{tag}.state.conv",
+                f"lfm2_moe.{tag}.state.K", f"lfm2_moe.{tag}.state.V"} <= set(recorded)
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),

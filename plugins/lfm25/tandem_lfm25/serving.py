@@ -1,0 +1,148 @@
+"""``serve(args, ctx) -> Served``: everything the server needs for an LFM2-family checkpoint (``lfm2_moe``, ``lfm2``).
+
+Stages (each marked on ``ctx``): ``config`` (strict read of config.json), ``audit`` (headers, layout and
+audit: nothing loaded yet), ``weights`` (every tensor, ``ctx.progress`` per tensor), ``engine`` (the
+core's ``SequenceEngine`` over the runner, buffers for ``max_context``), ``tokenizer`` (tokenizer.json and
+the chat template: the checkpoint's own, else the plugin's ``chat_template.jinja``, LFM2.5's format).
+
+The model writes no reasoning block. Its tool calls are LFM2's Pythonic list between
+``<|tool_call_start|>`` and ``<|tool_call_end|>`` (``tandem_lfm25.toolcall``, ``toolformat``), a format
+the server's parser does not read until formats register through a hook: until then ``tool_format``
+is ``"none"`` and a call reaches the client as the text the model wrote.
+
+``spawn`` builds another engine over the same weight objects with its own buffers. Options read:
+``prefill_chunk`` (default the ``LFM25_PREFILL_CHUNK`` setting; 0 there: 512 on the CPU, 8192 on CUDA) and
+``max_tree`` (the widest verify, default 64).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from tandem_core.checkpoint.config import ConfigError
+from tandem_core.engine import Runner, SequenceEngine
+from tandem_core.serving import ServeArgs, ServeContext, Served
+from tandem_core.settings import SETTINGS
+from tandem_core.tokenizer import HFTokenizer, load_chat_template
+
+from tandem_lfm25.config import Lfm2Config, read_config
+from tandem_lfm25.model import Lfm2Runner
+from tandem_lfm25.weights import Lfm2Weights, load_weights, normalise_dtype, open_checkpoint
+
+__all__ = ["serve", "ServeError", "build_engine", "make_runner", "plugin_template", "CPU_PREFILL_CHUNK",
+           "CUDA_PREFILL_CHUNK"]
+
+CPU_PREFILL_CHUNK = 512      # the CPU path's chunk (the chunk's activations stay small)
+CUDA_PREFILL_CHUNK = 8192    # a GPU's: the prompt lengths the issue's prefill figure is asked at
+
+
+class ServeError(RuntimeError):
+    """The checkpoint directory cannot be served; the message names the file."""
+
+
+def make_runner(cfg: Lfm2Config, weights: Lfm2Weights, *, max_context: int, prefill_chunk: int,
+                max_tree: int = 64) -> Runner:
+    """The runner for where the weights are: the plain-torch reference runner, on any device (its ops are the
+    kernels registered for the device where there are any, else the references)."""
+    return Lfm2Runner(cfg, weights, max_context=max_context, max_tree=max_tree, prefill_chunk=prefill_chunk)
+
+
+def build_engine(cfg: Lfm2Config, weights: Lfm2Weights, max_context: int, prefill_chunk: int,
+                 max_tree: int = 64) -> SequenceEngine:
+    """The core's sequence engine over the runner for the weights' device (``make_runner``)."""
+    return SequenceEngine(make_runner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
+                                      max_tree=max_tree), name=cfg.model_type)
+
+
+def plugin_template() -> str:
+    """The plugin's chat template (LFM2.5's format), for a checkpoint that ships none."""
+    return files("tandem_lfm25").joinpath("chat_template.jinja").read_text()
+
+
+def _prefill_chunk(requested: int, device: Any) -> int:
+    if requested < 0:
+        raise ServeError(f"prefill_chunk {requested}: must be positive (or 0 for the device's default)")
+    if requested > 0:
+        return requested
+    return CUDA_PREFILL_CHUNK if str(device).startswith("cuda") else CPU_PREFILL_CHUNK
+
+
+def serve(args: ServeArgs, ctx: ServeContext) -> Served:
+    """Load the checkpoint at ``args.path`` and build the engine, the tokenizer and the template."""
+    d = Path(args.path)
+    for name in ("config.json", "tokenizer.json"):
+        if not (d / name).exists():
+            raise ServeError(f"{d}: no {name} (an LFM2 checkpoint directory needs the model's {name})")
+    try:
+        raw = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ServeError(f"{d / 'config.json'}: not valid JSON ({exc})") from exc
+    cfg = read_config(raw)
+    dtype = normalise_dtype(args.dtype)
+    ctx.mark("config")
+
+    ckpt = open_checkpoint(d, cfg)
+    ctx.mark("audit")
+    weights = load_weights(ckpt, cfg, dtype, args.device, progress=ctx.progress)
+    ctx.mark("weights")
+
+    max_context = int(args.max_context)
+    if max_context > cfg.max_position_embeddings:
+        ctx.log(f"max_context {max_context} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}; using {cfg.max_position_embeddings}")
+        max_context = cfg.max_position_embeddings
+    prefill_chunk = _prefill_chunk(int(args.options.get("prefill_chunk", SETTINGS.get("LFM25_PREFILL_CHUNK"))),
+                                   weights.device)
+    max_tree = int(args.options.get("max_tree", 64))
+    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+    ctx.mark("engine")
+
+    tokenizer = HFTokenizer.from_dir(d)
+    template = load_chat_template(d)
+    if not template:
+        ctx.log(f"{d}: no chat template in the checkpoint; using the plugin's (LFM2.5's format)")
+        template = plugin_template()
+    stop_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *cfg.eos_token_ids]))
+    if not stop_ids:
+        raise ConfigError(f"{d}: no stop token: tokenizer_config.json names no eos_token and neither "
+                          f"config.json nor generation_config.json has an eos_token_id")
+    ctx.mark("tokenizer")
+
+    manifest = engine.manifest()
+    info: dict[str, Any] = {
+        "weights": str(d),
+        "architecture": cfg.architecture,
+        "dtype": dtype,
+        "device": str(weights.device),
+        "parameters": weights.parameter_count(),
+        "active_parameters": weights.active_parameter_count(cfg.num_experts_per_tok),
+        "layers": {"conv": len(cfg.conv_layers), "attention": len(cfg.attention_layers),
+                   "moe": len(cfg.moe_layers)},
+        "max_context": max_context,
+        "prefill_chunk": prefill_chunk,
+        "tied_head": weights.tied,
+        "fingerprints": {"weights": weights.identity, "tokenizer": tokenizer.fingerprint(),
+                         "manifest": manifest.fingerprint()},
+        "memory": [part._asdict() for part in engine.memory_parts()],
+    }
+    ctx.log(f"{cfg.model_type}: {info['parameters']:,} parameters ({info['active_parameters']:,} a token) in "
+            f"{dtype} on {weights.device}")
+
+    def spawn() -> SequenceEngine:
+        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+
+    return Served(
+        model_id=args.model_id,
+        engine=engine,
+        tokenizer=tokenizer,
+        chat_template=template,
+        tool_format="none",
+        reasoning=False,
+        think_in_prompt=False,
+        stop_ids=stop_ids,
+        info=info,
+        spawn=spawn,
+    )
