@@ -65,4 +65,5 @@ def load_served(model: str | None, *, weights: str | None = None, args: ServeArg
     served.info.setdefault("plugin", arch.package)
     served.info.setdefault("path", str(path))
     served.info["load_stages"] = list(ctx.stages)
+    served.info["load_host_memory"] = [{"stage": s, "rss": r, "peak": p} for s, r, p in ctx.memory]
     return served

@@ -85,9 +85,19 @@ class Served:
     spawn: Callable[[], Engine] | None = None
 
 
+def host_memory() -> tuple[int, int]:
+    """``(resident bytes now, peak resident bytes)`` of this process (the peak: the kernel's high-water mark)."""
+    import resource
+
+    import psutil
+
+    return int(psutil.Process().memory_info().rss), int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 class ServeContext:
-    """Passed to ``serve``: ``mark(stage)`` writes the load ledger, ``log(line)`` the log,
-    ``progress(done, total, what)`` drives the load progress bar."""
+    """Passed to ``serve``: ``mark(stage)`` writes the load ledger (with the host memory at that point, so a
+    stage that holds a host copy of the weights shows), ``log(line)`` the log, ``progress(done, total, what)``
+    drives the load progress bar."""
 
     def __init__(self, log: Callable[[str], None] | None = None,
                  progress: Callable[[int, int, str], None] | None = None) -> None:
@@ -95,11 +105,14 @@ class ServeContext:
         self._progress = progress or (lambda done, total, what: None)
         self.t0 = time.perf_counter()
         self.stages: list[tuple[str, float]] = []
+        self.memory: list[tuple[str, int, int]] = []     # (stage, host rss, host peak rss)
 
     def mark(self, stage: str) -> None:
         t = time.perf_counter() - self.t0
+        rss, peak = host_memory()
         self.stages.append((stage, round(t, 3)))
-        self._log(f"load stage {stage} at {t:.2f}s")
+        self.memory.append((stage, rss, peak))
+        self._log(f"load stage {stage} at {t:.2f}s (host rss {rss / 2**30:.2f} GiB, peak {peak / 2**30:.2f} GiB)")
 
     def log(self, line: str) -> None:
         self._log(line)

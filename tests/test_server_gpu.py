@@ -198,7 +198,7 @@ def test_a_client_that_leaves_is_cancelled_on_the_device(qwen_gpu):
 
 @needs_cuda
 def test_the_llama_family_serves_on_the_device_with_grammars_and_its_self_check(tmp_path, bpe):  # noqa: F811
-    path = write_gguf(tmp_path / "tiny.gguf", _hf_model(False, seed=3), bpe, "Q8_0")
+    path = write_gguf(tmp_path / "tiny.gguf", _hf_model(False, seed=3, max_position_embeddings=2048), bpe, "Q8_0")
     srv = _ready(Server(path, tmp_path / "home", "--device", "cuda", "--spec", "lookup", "--max-tree", "8",
                         "--max-context", "2048", env=ENV))
     try:

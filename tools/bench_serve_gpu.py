@@ -545,18 +545,18 @@ def main() -> int:
     try:
         R.put("load_s", srv.wait(600))
         R.put("health_engine", srv.health().get("engine"))
-        with R.stage("memory", skip):
-            memory_stage(srv, R)
-        with R.stage("decode", skip):
-            decode_stage(srv, R, vocab, a.decode_context, a.decode_tokens)
-        with R.stage("ttft", skip):
-            ttft_stage(srv, R, vocab, [int(x) for x in a.ttft.split(",") if x and int(x) < a.max_context])
-        with R.stage("session", skip):
-            session_stage(srv, R, vocab)
-        with R.stage("side_on", skip):
-            side_stage(srv, R, vocab, "side_on")
-        with R.stage("memory_after", skip):
-            memory_stage(srv, R)
+        R.put("load_host_memory", srv.health().get("info", {}).get("load_host_memory"))
+        stages = [("memory", lambda: memory_stage(srv, R)),
+                  ("decode", lambda: decode_stage(srv, R, vocab, a.decode_context, a.decode_tokens)),
+                  ("ttft", lambda: ttft_stage(srv, R, vocab, [int(x) for x in a.ttft.split(",")
+                                                              if x and int(x) < a.max_context])),
+                  ("session", lambda: session_stage(srv, R, vocab)),
+                  ("side_on", lambda: side_stage(srv, R, vocab, "side_on")),
+                  ("memory_after", lambda: memory_stage(srv, R))]
+        for name, fn in stages:
+            with R.stage(name, skip) as st:
+                if st.run:
+                    fn()
         with R.stage("speculation", skip) as st:
             if st.run:
                 srv.stop()                   # one 27B server at a time fits the device

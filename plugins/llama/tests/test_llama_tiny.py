@@ -87,20 +87,20 @@ def _hf_model(tie: bool, seed: int = 0, vocab: int = 320, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
+    cfg = LlamaConfig(**{
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": tie,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
         **extra,
-    )
+    })
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # re-randomise: larger weights, so logits are far from ties
         for name, p in model.named_parameters():
