@@ -26,6 +26,9 @@ Row-invariant and tree forms (speculative verify; a verified row equals the deco
     causal_conv_tree  the short conv over a token tree              (conv.py)
     gdn_tree          the gated delta rule, each node from its parent's state (gdn.py)
     attention_tree    each node over the sequence and its ancestors  (attention.py)
+
+A plugin adds an op of its own (a family's expert matmul, say) with ``define(name, "module:function")``: its
+reference, named by import path; a device's kernel then registers beside it as for the core's ops.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-__all__ = ["REFERENCES", "register", "unregister", "get", "reference", "kernels", "names"]
+__all__ = ["REFERENCES", "define", "register", "unregister", "get", "reference", "kernels", "names"]
 
 REFERENCES: dict[str, str] = {
     "rms_norm": "tandem_core.ops.norm:rms_norm",
@@ -85,6 +88,16 @@ def reference(name: str) -> Callable[..., Any]:
         with _lock:
             _refs[name] = fn
     return fn
+
+
+def define(name: str, reference_path: str) -> None:
+    """Add op ``name`` whose plain-torch reference is ``reference_path`` (``"module:function"``, imported on first
+    use). Defining an op again with the same reference is a no-op; with another, an error naming both."""
+    with _lock:
+        have = REFERENCES.get(name)
+        if have is not None and have != reference_path:
+            raise ValueError(f"op {name!r} is already defined by {have}; cannot define it as {reference_path}")
+        REFERENCES[name] = reference_path
 
 
 def register(name: str, device_type: str, fn: Callable[..., Any]) -> None:
