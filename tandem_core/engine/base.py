@@ -34,7 +34,8 @@ from tandem_core.state import ModelState
 
 __all__ = [
     "Capabilities", "MemoryPart", "Manifest", "Engine", "TreeEngine", "ResumableEngine", "KVInfo",
-    "TreeOut", "Trace", "restore_state", "supports_tree", "supports_resume",
+    "TreeOut", "Trace", "restore_state", "supports_tree", "supports_resume", "source_files", "op_paths",
+    "tensor_bytes",
 ]
 
 
@@ -54,6 +55,23 @@ class Capabilities:
     prefill_chunk: int = 0      # rows a long forward runs at a time, counted from the call's first token;
                                 # forwards split at multiples of it give the same bits (0: not said)
     graph_widths: tuple[int, ...] = ()  # verify widths captured as CUDA graphs (decode is width 1); (): eager
+
+
+def source_files(*things: Any) -> set[str]:
+    """The resolved source file of each module, class or function (for a ``Manifest``'s files)."""
+    import inspect
+
+    return {str(Path(inspect.getsourcefile(t) or "").resolve()) for t in things}
+
+
+def op_paths(ops: Any) -> dict[str, str]:
+    """``{op name: "module:qualname"}`` of a runner's resolved ops (for a ``Manifest``'s extra)."""
+    return {n: f"{fn.__module__}:{fn.__qualname__}" for n, fn in sorted(ops.items())}
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes the tensors hold."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class MemoryPart(NamedTuple):

@@ -54,7 +54,6 @@ one is registered, else the plain-torch reference).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
@@ -62,7 +61,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from tandem_core import ops
-from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, RunnerSpec, Step, TreeStep
+from tandem_core.engine import (
+    Capture, LogitRows, Manifest, MemoryPart, Rows, RunnerSpec, Step, TreeStep, op_paths, source_files, tensor_bytes,
+)
 from tandem_core.ops import attention as _attention_mod
 from tandem_core.ops import rope as _rope
 from tandem_core.ops.conv import conv_tail
@@ -314,25 +315,19 @@ class Lfm2Runner:
         the weights' identity."""
         here = Path(__file__).resolve()
         files = {here} | {here.with_name(n) for n in ("config.py", "weights.py", "moe.py")}
-        files |= {Path(inspect.getsourcefile(fn) or "").resolve() for fn in self._ops.values()}
-        files |= {Path(inspect.getsourcefile(m) or "").resolve() for m in (_rope, _attention_mod)}
-        classes = {type(lin) for lin in self.w.linears()}
-        files |= {Path(inspect.getsourcefile(cls) or "").resolve() for cls in classes}
+        files = {str(f) for f in files} | source_files(*self._ops.values(), _rope, _attention_mod,
+                                                       *{type(lin) for lin in self.w.linears()})
         settings = {"dtype": self.w.dtype, "device": self.device.type}
         extra = {"arch": self.cfg.model_type, "weights": self.w.identity, "config": asdict(self.cfg),
-                 "ops": {n: f"{fn.__module__}:{fn.__qualname__}" for n, fn in sorted(self._ops.items())}}
-        return Manifest(tuple(sorted(str(f) for f in files)), settings, extra)
+                 "ops": op_paths(self._ops)}
+        return Manifest(tuple(sorted(files)), settings, extra)
 
     def memory_parts(self) -> list[MemoryPart]:
         dev = str(self.device)
-
-        def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
         return [
             MemoryPart("weights", self.w.nbytes, dev),
-            MemoryPart("conv", nbytes(self._conv), dev),
-            MemoryPart("kv", nbytes(self._K) + nbytes(self._V), dev),
+            MemoryPart("conv", tensor_bytes(self._conv), dev),
+            MemoryPart("kv", tensor_bytes(self._K, self._V), dev),
         ]
 
     def __repr__(self) -> str:

@@ -17,12 +17,12 @@ is ``"none"`` and a call reaches the client as the text the model wrote.
 
 from __future__ import annotations
 
-import json
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from tandem_core.checkpoint.config import ConfigError
+from tandem_core.checkpoint import hfdir
+from tandem_core.checkpoint.hfdir import ServeError
 from tandem_core.engine import Runner, SequenceEngine
 from tandem_core.serving import ServeArgs, ServeContext, Served
 from tandem_core.settings import SETTINGS
@@ -37,10 +37,6 @@ __all__ = ["serve", "ServeError", "build_engine", "make_runner", "plugin_templat
 
 CPU_PREFILL_CHUNK = 512      # the CPU path's chunk (the chunk's activations stay small)
 CUDA_PREFILL_CHUNK = 8192    # a GPU's: the prompt lengths the issue's prefill figure is asked at
-
-
-class ServeError(RuntimeError):
-    """The checkpoint directory cannot be served; the message names the file."""
 
 
 def make_runner(cfg: Lfm2Config, weights: Lfm2Weights, *, max_context: int, prefill_chunk: int,
@@ -62,25 +58,10 @@ def plugin_template() -> str:
     return files("tandem_lfm25").joinpath("chat_template.jinja").read_text()
 
 
-def _prefill_chunk(requested: int, device: Any) -> int:
-    if requested < 0:
-        raise ServeError(f"prefill_chunk {requested}: must be positive (or 0 for the device's default)")
-    if requested > 0:
-        return requested
-    return CUDA_PREFILL_CHUNK if str(device).startswith("cuda") else CPU_PREFILL_CHUNK
-
-
 def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     """Load the checkpoint at ``args.path`` and build the engine, the tokenizer and the template."""
     d = Path(args.path)
-    for name in ("config.json", "tokenizer.json"):
-        if not (d / name).exists():
-            raise ServeError(f"{d}: no {name} (an LFM2 checkpoint directory needs the model's {name})")
-    try:
-        raw = json.loads((d / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ServeError(f"{d / 'config.json'}: not valid JSON ({exc})") from exc
-    cfg = read_config(raw)
+    cfg = read_config(hfdir.read_config_json(d, "LFM2"))
     dtype = normalise_dtype(args.dtype)
     ctx.mark("config")
 
@@ -89,13 +70,9 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     weights = load_weights(ckpt, cfg, dtype, args.device, progress=ctx.progress)
     ctx.mark("weights")
 
-    max_context = int(args.max_context)
-    if max_context > cfg.max_position_embeddings:
-        ctx.log(f"max_context {max_context} exceeds the model's max_position_embeddings "
-                f"{cfg.max_position_embeddings}; using {cfg.max_position_embeddings}")
-        max_context = cfg.max_position_embeddings
-    prefill_chunk = _prefill_chunk(int(args.options.get("prefill_chunk", SETTINGS.get("LFM25_PREFILL_CHUNK"))),
-                                   weights.device)
+    max_context = hfdir.context_for(args.max_context, cfg.max_position_embeddings, ctx)
+    prefill_chunk = hfdir.prefill_chunk_for(int(args.options.get("prefill_chunk", SETTINGS.get("LFM25_PREFILL_CHUNK"))),
+                                            weights.device, cpu=CPU_PREFILL_CHUNK, cuda=CUDA_PREFILL_CHUNK)
     max_tree = int(args.options.get("max_tree", 64))
     engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
     ctx.mark("engine")
@@ -105,10 +82,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     if not template:
         ctx.log(f"{d}: no chat template in the checkpoint; using the plugin's (LFM2.5's format)")
         template = plugin_template()
-    stop_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *cfg.eos_token_ids]))
-    if not stop_ids:
-        raise ConfigError(f"{d}: no stop token: tokenizer_config.json names no eos_token and neither "
-                          f"config.json nor generation_config.json has an eos_token_id")
+    stop_ids = hfdir.stop_ids(d, tokenizer, cfg.eos_token_ids)
     ctx.mark("tokenizer")
 
     manifest = engine.manifest()

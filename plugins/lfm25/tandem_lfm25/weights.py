@@ -28,16 +28,17 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import torch
 
-from tandem_core.checkpoint.audit import AuditError, Expect, audit, read_sums
-from tandem_core.checkpoint.layout import Layout, LayoutResult
-from tandem_core.checkpoint.safetensors import SafetensorsCheckpoint
+from tandem_core.checkpoint.audit import Expect
+from tandem_core.checkpoint.layout import Layout
+from tandem_core.checkpoint.opened import WEIGHT_DTYPES, Checkpoint, weights_identity
+from tandem_core.checkpoint.opened import normalise_dtype as _normalise_dtype
+from tandem_core.checkpoint.opened import open_checkpoint as _open
 from tandem_core.linear import Linear, make_linear
 
 from tandem_lfm25.config import Lfm2Config
@@ -50,20 +51,11 @@ __all__ = [
 
 LAYOUT = Layout(prefixes=("model.",), skip=(), head_names=("lm_head.weight",))
 
-# requested dtype -> (weight format registered through tandem_weight_formats, activation dtype)
-DTYPES: dict[str, tuple[str, torch.dtype]] = {
-    "fp32": ("fp32", torch.float32),
-    "bf16": ("bf16", torch.bfloat16),
-    "fp16": ("fp16", torch.float16),
-}
-_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+DTYPES = WEIGHT_DTYPES
 
 
 def normalise_dtype(dtype: str) -> str:
-    name = _ALIASES.get(dtype, dtype)
-    if name not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} for the LFM2 engine")
-    return name
+    return _normalise_dtype(dtype, "LFM2")
 
 
 # -- what the config says the checkpoint holds ---------------------------------------------------
@@ -120,48 +112,10 @@ def expected_tensors(cfg: Lfm2Config) -> dict[str, Expect]:
 
 
 # -- opening and auditing ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Checkpoint:
-    """An audited checkpoint: its reader, the resolved layout, and its identity."""
-
-    reader: SafetensorsCheckpoint
-    layout: LayoutResult
-    expected: dict[str, Expect]
-    identity: str
-
-
-def weights_identity(reader: SafetensorsCheckpoint) -> str:
-    """sha256 of what identifies the weights: the ``SHA256SUMS`` manifest when the pack has one, else every
-    tensor's name, dtype, shape and byte range with each file's name and size (no tensor bytes read)."""
-    h = hashlib.sha256()
-    sums = read_sums(reader.dir)
-    if sums is not None:
-        for name in sorted(sums):
-            h.update(f"{name} {sums[name]}\n".encode())
-        return h.hexdigest()
-    for path in reader.files:
-        h.update(f"file {path.name} {path.stat().st_size}\n".encode())
-    for key in sorted(reader.infos):
-        info = reader.infos[key]
-        h.update(f"{key} {info.file.name} {info.dtype} {list(info.shape)} {info.begin} {info.end}\n".encode())
-    return h.hexdigest()
-
-
 def open_checkpoint(directory: str | Path, cfg: Lfm2Config) -> Checkpoint:
-    """Read the headers, resolve the layout, audit. Nothing is loaded; a failure names its tensor or file."""
-    reader = SafetensorsCheckpoint(directory)
-    try:
-        layout = LAYOUT.resolve(reader.keys(), cfg.tie_word_embeddings)
-    except ValueError as exc:
-        raise AuditError(f"checkpoint {reader.dir}: {exc}") from exc
-    expected = expected_tensors(cfg)
-    audit(reader, expected, layout.names)
-    unknown = sorted(set(layout.names) - set(expected))
-    if unknown:
-        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        raise AuditError(f"checkpoint {reader.dir}: tensor {layout.names[unknown[0]]!r} is not one the "
-                         f"{cfg.model_type} engine reads{more}; its config does not describe this checkpoint")
-    return Checkpoint(reader, layout, expected, weights_identity(reader))
+    """Read the headers, resolve the layout, audit (``tandem_core.checkpoint.opened``). Nothing is loaded; a
+    failure names its tensor or file."""
+    return _open(directory, LAYOUT, expected_tensors(cfg), tied=cfg.tie_word_embeddings, family=cfg.model_type)
 
 
 # -- the loaded weights ------------------------------------------------------------------------------

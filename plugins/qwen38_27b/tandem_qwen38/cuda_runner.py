@@ -18,14 +18,15 @@ off, ``spec.hidden_layers`` empty).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, RunnerSpec, Step, TreeStep
+from tandem_core.engine import (
+    Capture, LogitRows, Manifest, MemoryPart, Rows, RunnerSpec, Step, TreeStep, source_files, tensor_bytes,
+)
 from tandem_core.state import View
 
 from tandem_qwen38 import cuda_graphs
@@ -112,27 +113,23 @@ class Qwen38CudaRunner:
         """The reference's files, the graph runner's and its kernels', the widths and the matmul plans."""
         from tandem_core.ops import triton_matmul
 
-        files = runner_files(self.w)
-        files |= {Path(inspect.getsourcefile(m) or "").resolve() for m in (cuda_graphs, Qwen38CudaRunner)}
-        files |= {Path(inspect.getsourcefile(triton_matmul) or "").with_name(n).resolve() for n in _KERNELS}
+        kernels = Path(next(iter(source_files(triton_matmul))))
+        files = runner_files(self.w) | source_files(cuda_graphs, Qwen38CudaRunner)
+        files |= {str(kernels.with_name(n)) for n in _KERNELS}
         settings = {"dtype": self.w.dtype, "device": self.device.type, "path": "cuda_graphs",
                     "widths": list(self.run.widths),
                     "matmul_plans": {f"{n}x{k}": asdict(p) for (n, k), p in sorted(self.run.plans.items())}}
         extra = {"arch": "qwen3_5", "weights": self.w.identity, "config": asdict(self.cfg)}
-        return Manifest(tuple(sorted(str(f) for f in files)), settings, extra)
+        return Manifest(tuple(sorted(files)), settings, extra)
 
     def memory_parts(self) -> list[MemoryPart]:
         dev = str(self.device)
-
-        def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
         K, V = self._views["K"].tensor, self._views["V"].tensor
         return [
             MemoryPart("weights", self.w.nbytes, dev),
-            MemoryPart("gdn.S", nbytes(self._sections["gdn.S"]), dev),
-            MemoryPart("gdn.conv", nbytes(self._sections["gdn.conv"]), dev),
-            MemoryPart("kv", nbytes(K) + nbytes(V), dev),
+            MemoryPart("gdn.S", tensor_bytes(self._sections["gdn.S"]), dev),
+            MemoryPart("gdn.conv", tensor_bytes(self._sections["gdn.conv"]), dev),
+            MemoryPart("kv", tensor_bytes(K, V), dev),
             MemoryPart("cuda.workspace", self.run.workspace_bytes(), dev),
         ]
 

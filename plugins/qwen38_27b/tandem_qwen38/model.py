@@ -43,7 +43,6 @@ takes pending tokens back that way).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
@@ -51,7 +50,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from tandem_core import ops
-from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, RunnerSpec, Step, TreeStep
+from tandem_core.engine import (
+    Capture, LogitRows, Manifest, MemoryPart, Rows, RunnerSpec, Step, TreeStep, op_paths, source_files, tensor_bytes,
+)
 from tandem_core.ops import rope as _rope
 from tandem_core.ops.attention import causal_mask
 from tandem_core.ops.conv import conv_tail
@@ -82,14 +83,12 @@ def allocate_state(cfg: Qwen38Config, device: torch.device, act: torch.dtype, ca
     return {"gdn.S": S, "gdn.conv": conv}, {"K": View(K, 2), "V": View(V, 2)}
 
 
-def runner_files(weights: Qwen38Weights) -> set[Path]:
+def runner_files(weights: Qwen38Weights) -> set[str]:
     """The plugin's files that compute any runner's rows: this file, the config and weights readers, the
     rotary tables and the weights' ``Linear`` classes."""
-    files = {Path(__file__).resolve()}
-    files |= {Path(__file__).with_name(n).resolve() for n in ("config.py", "weights.py")}
-    files.add(Path(inspect.getsourcefile(_rope) or "").resolve())
-    files |= {Path(inspect.getsourcefile(type(lin)) or "").resolve() for lin in weights.linears()}
-    return files
+    here = Path(__file__).resolve()
+    return ({str(here)} | {str(here.with_name(n)) for n in ("config.py", "weights.py")}
+            | source_files(_rope, *{type(lin) for lin in weights.linears()}))
 
 
 class _RuleRows(NamedTuple):
@@ -326,24 +325,19 @@ class Qwen38Runner:
     def manifest(self) -> Manifest:
         """The plugin's and the ops' source files, the arithmetic settings, the dtype and the weights'
         identity."""
-        files = runner_files(self.w)
-        files |= {Path(inspect.getsourcefile(fn) or "").resolve() for fn in self._ops.values()}
+        files = runner_files(self.w) | source_files(*self._ops.values())
         settings = {"dtype": self.w.dtype, "gdn_chunk": self.gdn_chunk, "device": self.device.type}
         extra = {"arch": "qwen3_5", "weights": self.w.identity, "config": asdict(self.cfg),
-                 "ops": {n: f"{fn.__module__}:{fn.__qualname__}" for n, fn in sorted(self._ops.items())}}
-        return Manifest(tuple(sorted(str(f) for f in files)), settings, extra)
+                 "ops": op_paths(self._ops)}
+        return Manifest(tuple(sorted(files)), settings, extra)
 
     def memory_parts(self) -> list[MemoryPart]:
         dev = str(self.device)
-
-        def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
         return [
             MemoryPart("weights", self.w.nbytes, dev),
-            MemoryPart("gdn.S", nbytes(self._S), dev),
-            MemoryPart("gdn.conv", nbytes(self._conv), dev),
-            MemoryPart("kv", nbytes(self._K) + nbytes(self._V), dev),
+            MemoryPart("gdn.S", tensor_bytes(self._S), dev),
+            MemoryPart("gdn.conv", tensor_bytes(self._conv), dev),
+            MemoryPart("kv", tensor_bytes(self._K, self._V), dev),
         ]
 
     def __repr__(self) -> str:

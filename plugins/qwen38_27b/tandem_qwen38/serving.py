@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tandem_core.checkpoint.config import ConfigError
+from tandem_core.checkpoint import hfdir
+from tandem_core.checkpoint.hfdir import ServeError
 from tandem_core.engine import Runner, SequenceEngine
 from tandem_core.serving import ServeArgs, ServeContext, Served
 from tandem_core.settings import SETTINGS
@@ -33,10 +34,6 @@ __all__ = ["serve", "ServeError", "think_in_prompt", "build_engine", "make_runne
 
 CPU_PREFILL_CHUNK = 512      # the CPU path's chunk (memory for the chunk's activations stays small)
 CUDA_PREFILL_CHUNK = 8192    # the CUDA path's (H200, 27B shape: 11,000 tok/s at 8K against 10,977 in chunks of 4096)
-
-
-class ServeError(RuntimeError):
-    """The checkpoint directory cannot be served; the message names the file."""
 
 
 def make_runner(cfg: Qwen38Config, weights: Qwen38Weights, *, max_context: int, prefill_chunk: int,
@@ -69,24 +66,13 @@ def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int, pr
 def prefill_chunk_for(requested: int, device: Any) -> int:
     """The prefill chunk: ``requested`` when positive, else the device's default (``CUDA_PREFILL_CHUNK`` on a
     CUDA device, ``CPU_PREFILL_CHUNK`` elsewhere)."""
-    if int(requested) < 0:
-        raise ServeError(f"prefill_chunk {requested}: must be positive (or 0 for the device's default)")
-    if int(requested) > 0:
-        return int(requested)
-    return CUDA_PREFILL_CHUNK if str(device).startswith("cuda") else CPU_PREFILL_CHUNK
+    return hfdir.prefill_chunk_for(requested, device, cpu=CPU_PREFILL_CHUNK, cuda=CUDA_PREFILL_CHUNK)
 
 
 def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     """Load the checkpoint at ``args.path`` and build the engine, the tokenizer and the template."""
     d = Path(args.path)
-    for name in ("config.json", "tokenizer.json"):
-        if not (d / name).exists():
-            raise ServeError(f"{d}: no {name} (a qwen3_5 checkpoint directory needs the model's {name})")
-    try:
-        raw = json.loads((d / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ServeError(f"{d / 'config.json'}: not valid JSON ({exc})") from exc
-    cfg = read_config(raw)
+    cfg = read_config(hfdir.read_config_json(d, "qwen3_5"))
     dtype = normalise_dtype(args.dtype)
     ctx.mark("config")
 
@@ -95,11 +81,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     weights = load_weights(ckpt, cfg, dtype, args.device, progress=ctx.progress)
     ctx.mark("weights")
 
-    max_context = int(args.max_context)
-    if max_context > cfg.max_position_embeddings:
-        ctx.log(f"max_context {max_context} exceeds the model's max_position_embeddings "
-                f"{cfg.max_position_embeddings}; using {cfg.max_position_embeddings}")
-        max_context = cfg.max_position_embeddings
+    max_context = hfdir.context_for(args.max_context, cfg.max_position_embeddings, ctx)
     prefill_chunk = prefill_chunk_for(int(args.options.get("prefill_chunk", SETTINGS.get("QWEN38_PREFILL_CHUNK"))),
                                       weights.device)
     max_tree = int(args.options.get("max_tree", 64))
@@ -111,10 +93,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     if not template:
         raise ServeError(f"{d}: no chat template (neither chat_template.jinja nor tokenizer_config.json's "
                          f"chat_template)")
-    stop_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *cfg.eos_token_ids]))
-    if not stop_ids:
-        raise ConfigError(f"{d}: no stop token: tokenizer_config.json names no eos_token and neither "
-                          f"config.json nor generation_config.json has an eos_token_id")
+    stop_ids = hfdir.stop_ids(d, tokenizer, cfg.eos_token_ids)
     opens_think = think_in_prompt(template)
     ctx.mark("tokenizer")
 
