@@ -224,3 +224,29 @@ def test_the_llama_family_serves_on_the_device_with_grammars_and_its_self_check(
         srv.stop()
         keep_log(srv, "llama")
 
+
+
+@needs_cuda
+def test_a_restart_restores_the_gpu_session_from_the_spill(qwen38_ckpts, tmp_path):  # noqa: F811
+    """SIGTERM spills the engine's session (device tensors written to disk); a new server on the same cache
+    directory restores it onto the device and the next turn resumes from it, not from cold."""
+    home = tmp_path / "home"
+    args = ("--device", "cuda", "--spec", "off", "--max-context", "2048", "--cache-dir", str(tmp_path / "cache"))
+    prompt = [(11 * i + 3) % 290 + 10 for i in range(400)]
+    first = _ready(Server(qwen38_ckpts.text.path, home, *args, env=ENV))
+    try:
+        client(first).completions.create(model="replay-test", prompt=prompt, max_tokens=8, temperature=0)
+    finally:
+        first.stop()
+    assert "session spill: 1 sessions" in first.log_text(), first.log_text()[-2000:]
+    again = _ready(Server(qwen38_ckpts.text.path, home, *args, env=ENV))
+    try:
+        assert "session spill: engine 0 resumes a session of" in again.log_text()
+        client(again).completions.create(model="replay-test", prompt=prompt + [42] * 30, max_tokens=4,
+                                         temperature=0)
+        time.sleep(0.5)
+        line = [ln for ln in again.log_text().splitlines() if " prompt=430 " in ln][-1]
+        assert "prefill=resident:400/430" in line, line
+    finally:
+        again.stop()
+        keep_log(again, "restart")
