@@ -6,7 +6,9 @@
 - ``vl``:      ``Qwen4ExpForConditionalGeneration`` (``qwen4_exp``) with a tiny vision tower, the same
                text weights;
 - ``sigmoid``: ``Qwen4ExpForCausalLM`` whose Gated DeltaNet norm gates with a sigmoid
-               (``output_gate_type``), another seed.
+               (``output_gate_type``), another seed;
+- ``mtp``:     the ``text`` checkpoint with an MTP head in the ``mtp.*`` layout
+               (``tests/mtp_reference.py``; its reference forward is ``head``).
 
 The shape exercises every part: 6 experts, top-2, 3 residual streams, PLE on two Gated
 DeltaNet layers (two hashing indices, tables split into 5 uneven shards), two QSA layers
@@ -22,6 +24,7 @@ Import the fixture into a test module: ``from conftest_flashnext import flashnex
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,7 @@ import pytest
 import torch
 
 from conftest_qwen38 import rerandomise, write_tokenizer
+from mtp_reference import add_head, reference_head
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_SRC = ROOT / "plugins" / "flashnext"
@@ -70,6 +74,8 @@ class TinyCheckpoints:
     text: TinyCheckpoint
     vl: TinyCheckpoint
     sigmoid: TinyCheckpoint
+    mtp: TinyCheckpoint
+    head: Any            # the MTP head's reference (tests/mtp_reference.RefMTP) written into ``mtp``
 
 
 def build_text(path: Path, seed: int = SEED, **overrides: Any) -> TinyCheckpoint:
@@ -106,7 +112,11 @@ def flashnext_ckpts(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints
     text = build_text(root / "text")
     vl = build_vl(root / "vl", text.model)
     sigmoid = build_text(root / "sigmoid", seed=SEED + 7, output_gate_type="sigmoid")
-    return TinyCheckpoints(text, vl, sigmoid)
+    shutil.copytree(text.path, root / "mtp")
+    head = reference_head(text.model, SEED + 11)
+    add_head(root / "mtp", head.state_dict_for_checkpoint())
+    mtp = TinyCheckpoint(root / "mtp", text.model, text.raw_config)
+    return TinyCheckpoints(text, vl, sigmoid, mtp, head)
 
 
 def load_model(path: Path, *, dtype: str = "fp32", max_context: int = 256, gdn_chunk: int = 64):

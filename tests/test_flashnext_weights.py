@@ -17,7 +17,8 @@ from conftest_flashnext import flashnext_ckpts  # noqa: F401  (fixture)
 from tandem_core.checkpoint.audit import AuditError
 from tandem_flashnext.config import read_config
 from tandem_flashnext.ngram import ngram_hashes
-from tandem_flashnext.weights import expected_tensors, load_weights, open_checkpoint
+from tandem_flashnext.layout import expected_tensors
+from tandem_flashnext.weights import load_weights, open_checkpoint
 
 
 def keys_of(path) -> list[str]:

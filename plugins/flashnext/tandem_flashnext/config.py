@@ -49,14 +49,14 @@ TEXT_POLICY = FieldPolicy(
         "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by", "seed", "split_ngram_parts",
         # QSA, the indexer of the attention layers
         "indexer_n_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio",
+        # the MTP head's decoder layers (the mtp.* tensors; tandem_flashnext.mtp)
+        "mtp_num_hidden_layers",
     ),
     ignored=(
         "architectures", "transformers_version", "dtype", "torch_dtype", "initializer_range", "use_cache",
         "attention_dropout", "output_router_logits", "router_aux_loss_coef",
         # derived by transformers from ple_layer_ids (how many conv states its cache keeps)
         "number_of_conv_states",
-        # the multi-token-prediction head (mtp.* tensors) is read by the MTP head, not the target
-        "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings",
     ),
     fixed={
         "model_type": "qwen4_exp_text",
@@ -64,6 +64,7 @@ TEXT_POLICY = FieldPolicy(
         "attention_bias": False,
         "norm_topk_prob": True,              # the top-k routing weights are renormalised to sum to 1
         "indexer_kv_heads": (1, None),       # QSA pools one key head (transformers refuses another)
+        "mtp_use_dedicated_embeddings": (False, None),   # the MTP head reads the target's embedding
     },
 )
 
@@ -127,6 +128,7 @@ class FlashNextConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    mtp_num_hidden_layers: int | None = None   # as the config says (None: not said; the keys decide)
 
     # -- derived sizes ------------------------------------------------------------------
     @property
@@ -388,4 +390,6 @@ def read_config(raw: Mapping[str, Any]) -> FlashNextConfig:
         eos_token_ids=eos,
         bos_token_id=(_ids(text.get("bos_token_id"), "bos_token_id", where) or (None,))[0],
         pad_token_id=(_ids(text.get("pad_token_id"), "pad_token_id", where) or (None,))[0],
+        mtp_num_hidden_layers=(None if text.get("mtp_num_hidden_layers") is None
+                               else _int(text, "mtp_num_hidden_layers", where, zero=True)),
     )

@@ -1,31 +1,22 @@
-"""The checkpoint side of Flash-Next: layout, expected tensors, audit, and the loaded weights.
+"""The checkpoint side of Flash-Next: the audit, and the loaded weights.
 
-- ``LAYOUT`` names every checkpoint key by its canonical name (``embed_tokens.weight``,
-  ``lm_head.weight``, ``hyper_connection_mixer.*``, ``layers.N.<module>.<proj>.weight``),
-  skipping (and counting) the vision tower; the ``mtp.*`` keys are the MTP head's
-  (``tandem_flashnext.mtp``) and are counted apart.
-- ``expected_tensors(cfg)`` is what the config says must be there, with shapes. The
-  experts are stored one module each (``mlp.experts.E.{gate,up,down}_proj.weight``, as
-  ``save_pretrained`` writes them); each PLE table as ``ngram_embedding.shard_K.weight``
-  row ranges (``split_ngram_parts`` of them at most, ``torch.chunk``'s sizes), or one
-  ``ngram_embedding.weight``; the PLE hashing buffers (``layer_multipliers``,
-  ``ngram_heads_vocab_sizes``, ``ngram_heads_offsets``), where the checkpoint has them,
-  must equal what the config derives.
-- ``open_checkpoint(dir, cfg)`` reads the headers, resolves the layout and runs the
-  audit before any tensor is read: a missing tensor, a truncated shard, a wrong sha256
-  (``SHA256SUMS``), a wrong shape, or a tensor the model does not know stops it, naming it.
+- ``open_checkpoint(dir, cfg)`` reads the headers, resolves the layout
+  (``tandem_flashnext.layout``) and runs the audit before any tensor is read: a missing
+  tensor, a truncated shard, a wrong sha256 (``SHA256SUMS``), a wrong shape, a PLE table
+  whose shards do not add up, hashing buffers other than the config derives, or a tensor
+  the model does not know (the MTP head's included) stops it, naming it.
 - ``load_weights`` reads every tensor but the PLE tables into ``FlashNextWeights`` (each
   projection a ``Linear`` of the registered weight format for the dtype; norms, decay,
   conv taps in fp32) and memory-maps the tables (``ngram.RowTable``): they stay on the
   host, only the rows a step needs are read.
 - ``build_weights(tensors, cfg, dtype)`` is the same construction from in-memory tensors
-  (by canonical name), for tests and tools.
+  (by canonical name), for tests and tools. ``Builder`` is the construction's vocabulary
+  (a ``Linear``, a vector, an attention layer, a MoE by name), shared with the MTP head.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -33,25 +24,20 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from tandem_core.checkpoint.audit import AuditError, Expect, audit, read_sums
-from tandem_core.checkpoint.layout import Layout, LayoutResult
+from tandem_core.checkpoint.layout import LayoutResult
 from tandem_core.checkpoint.safetensors import SafetensorsCheckpoint
 from tandem_core.linear import Linear, make_linear
 
 from tandem_flashnext.config import FlashNextConfig
+from tandem_flashnext.layout import (HASH_BUFFERS, LAYOUT, MTP_PREFIX, expected_mtp_tensors, expected_tensors,
+                                     mtp_layer_count, table_names, table_prefix)
 from tandem_flashnext.ngram import MappedPart, NGramHash, RowTable, ngram_hashes
 
 __all__ = [
-    "LAYOUT", "MTP_PREFIX", "DTYPES", "normalise_dtype", "expected_tensors", "table_names", "Checkpoint",
-    "open_checkpoint", "weights_identity", "HyperWeights", "GDNWeights", "AttentionWeights", "ExpertWeights",
-    "MoEWeights", "PLEWeights", "LayerWeights", "FlashNextWeights", "build_weights", "load_weights",
+    "DTYPES", "normalise_dtype", "Checkpoint", "open_checkpoint", "weights_identity", "HyperWeights",
+    "GDNWeights", "AttentionWeights", "ExpertWeights", "MoEWeights", "PLEWeights", "LayerWeights",
+    "FlashNextWeights", "Builder", "build_weights", "load_weights",
 ]
-
-MTP_PREFIX = "mtp."
-LAYOUT = Layout(
-    prefixes=("model.language_model.", "language_model.model.", "language_model.", "model."),
-    skip=("model.visual.", "visual.", MTP_PREFIX),
-    head_names=("lm_head.weight", "language_model.lm_head.weight"),
-)
 
 # requested dtype -> (weight format registered through tandem_weight_formats, activation dtype)
 DTYPES: dict[str, tuple[str, torch.dtype]] = {
@@ -61,7 +47,6 @@ DTYPES: dict[str, tuple[str, torch.dtype]] = {
 }
 _ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 _INT = (torch.int64,)
-_HASH_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 
 
 def normalise_dtype(dtype: str) -> str:
@@ -69,98 +54,6 @@ def normalise_dtype(dtype: str) -> str:
     if name not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} for the qwen4_exp model")
     return name
-
-
-# -- what the config says the checkpoint holds ---------------------------------------------------
-def _hyper(cfg: FlashNextConfig, combine: bool) -> dict[str, tuple[int, ...]]:
-    n, nh, r = cfg.hc_count, cfg.hc_dim, cfg.hc_lowrank
-    out = {"hc_norm.weight": (nh,), "input_mix_weight_down.weight": (r, nh), "input_mix_weight_up.weight": (nh, r)}
-    if combine:
-        out["block_inject_weight.weight"] = (n, nh)
-    return out
-
-
-def _gdn(cfg: FlashNextConfig) -> dict[str, tuple[int, ...]]:
-    H, hv = cfg.hidden_size, cfg.linear_num_value_heads
-    return {
-        "in_proj_qkv.weight": (cfg.conv_dim, H), "in_proj_z.weight": (cfg.gdn_value_dim, H),
-        "in_proj_b.weight": (hv, H), "in_proj_a.weight": (hv, H),
-        "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
-        "A_log": (hv,), "dt_bias": (hv,), "norm.weight": (cfg.linear_value_head_dim,),
-        "out_proj.weight": (H, cfg.gdn_value_dim),
-    }
-
-
-def _attention(cfg: FlashNextConfig) -> dict[str, tuple[int, ...]]:
-    H, D, Di = cfg.hidden_size, cfg.head_dim, cfg.indexer_head_dim
-    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
-    return {
-        "q_proj.weight": (2 * q, H),   # each head's query, then its output gate
-        "k_proj.weight": (kv, H), "v_proj.weight": (kv, H), "o_proj.weight": (H, q),
-        "q_norm.weight": (D,), "k_norm.weight": (D,),
-        "indexer.index_qk_proj.weight": ((cfg.indexer_n_heads + 1) * Di, H),   # the heads' queries, then one key
-        "indexer.q_layernorm.weight": (Di,), "indexer.k_layernorm.weight": (Di,),
-    }
-
-
-def _moe(cfg: FlashNextConfig) -> dict[str, tuple[int, ...]]:
-    H, I, Is = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    out = {"gate.weight": (cfg.num_experts, H), "shared_expert_gate.weight": (1, H),
-           "shared_expert.gate_proj.weight": (Is, H), "shared_expert.up_proj.weight": (Is, H),
-           "shared_expert.down_proj.weight": (H, Is)}
-    for e in range(cfg.num_experts):
-        out.update({f"experts.{e}.gate_proj.weight": (I, H), f"experts.{e}.up_proj.weight": (I, H),
-                    f"experts.{e}.down_proj.weight": (H, I)})
-    return out
-
-
-def _ple(cfg: FlashNextConfig) -> dict[str, tuple[int, ...]]:
-    nh, E = cfg.hc_dim, cfg.ple_embed_dim
-    return {"key_proj.weight": (nh, E), "value_proj.weight": (cfg.hidden_size, E), "norm_key.weight": (nh,),
-            "norm_query.weight": (nh,), "norm_conv.weight": (nh,), "conv1d.weight": (nh, 1, cfg.ple_conv_kernel_size)}
-
-
-def expected_tensors(cfg: FlashNextConfig) -> dict[str, Expect]:
-    """Canonical name -> expected shape, for every tensor the model reads but the PLE tables
-    (``table_names``) and the optional PLE hashing buffers."""
-    H, V = cfg.hidden_size, cfg.vocab_size
-    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (V, H), "lm_head.weight": (V, H)}
-    out.update({"hyper_connection_mixer." + k: s for k, s in _hyper(cfg, combine=False).items()})
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        for hc in ("attn_hyper_connection.", "mlp_hyper_connection."):
-            out.update({p + hc + k: s for k, s in _hyper(cfg, combine=True).items()})
-        if cfg.is_linear(i):
-            out.update({p + "linear_attn." + k: s for k, s in _gdn(cfg).items()})
-        else:
-            out.update({p + "self_attn." + k: s for k, s in _attention(cfg).items()})
-        out.update({p + "mlp." + k: s for k, s in _moe(cfg).items()})
-        if cfg.ple_slot(i) is not None:
-            out.update({p + "ple." + k: s for k, s in _ple(cfg).items()})
-    return {k: Expect(s) for k, s in out.items()}
-
-
-def _table_prefix(layer: int) -> str:
-    return f"layers.{layer}.ple.ple_embedding."
-
-
-def table_names(names: Iterable[str], layer: int) -> list[str]:
-    """The canonical names holding PLE layer ``layer``'s table, in row order: ``ngram_embedding.shard_0..``
-    (numbered without a gap) or the one ``ngram_embedding.weight``."""
-    pre = _table_prefix(layer) + "ngram_embedding."
-    shard = re.compile(re.escape(pre) + r"shard_(\d+)\.weight")
-    found = {int(m.group(1)): n for n in names if (m := shard.fullmatch(n))}
-    whole = pre + "weight"
-    if found and whole in names:
-        raise AuditError(f"PLE layer {layer}: both {whole!r} and its shards are in the checkpoint")
-    if not found:
-        return [whole] if whole in names else []
-    order = sorted(found)
-    if order != list(range(len(order))):
-        gap = next(i for i in range(len(order) + 1) if i not in found)
-        raise AuditError(f"PLE layer {layer}: table shard {pre}shard_{gap}.weight is missing "
-                         f"(shards {order} are there)")
-    return [found[i] for i in order]
 
 
 def _audit_tables(reader: SafetensorsCheckpoint, names: Mapping[str, str], cfg: FlashNextConfig,
@@ -175,7 +68,7 @@ def _audit_tables(reader: SafetensorsCheckpoint, names: Mapping[str, str], cfg: 
         parts = table_names(names, layer)
         if not parts:
             raise AuditError(f"checkpoint {reader.dir} is missing tensor "
-                             f"{_table_prefix(layer) + 'ngram_embedding.shard_0.weight'!r} (the PLE table)")
+                             f"{table_prefix(layer) + 'ngram_embedding.shard_0.weight'!r} (the PLE table)")
         if len(parts) > cfg.split_ngram_parts:
             raise AuditError(f"PLE layer {layer}: {len(parts)} table shards, the config's split_ngram_parts "
                              f"is {cfg.split_ngram_parts}")
@@ -195,7 +88,7 @@ def _audit_tables(reader: SafetensorsCheckpoint, names: Mapping[str, str], cfg: 
         derived = {"layer_multipliers": hashes[m].multipliers, "ngram_heads_vocab_sizes": hashes[m].sizes,
                    "ngram_heads_offsets": hashes[m].offsets}
         for buf, want in derived.items():
-            canon = _table_prefix(layer) + buf
+            canon = table_prefix(layer) + buf
             if canon in names:
                 got = reader.get(names[canon])
                 if got.dtype not in _INT or tuple(got.tolist()) != tuple(want):
@@ -207,21 +100,24 @@ def _audit_tables(reader: SafetensorsCheckpoint, names: Mapping[str, str], cfg: 
 # -- opening and auditing ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Checkpoint:
-    """An audited checkpoint: its reader, the resolved layout, the PLE tables' parts, its identity."""
+    """An audited checkpoint: its reader, the resolved layout (the MTP head's keys by their own names in
+    ``mtp_names``), the PLE tables' parts, its identity."""
 
     reader: SafetensorsCheckpoint
     layout: LayoutResult
     expected: dict[str, Expect]
     tables: dict[int, list[str]]          # layer -> canonical names of its table's parts, in row order
     identity: str
+    mtp_layers: int = 0                   # the MTP head's decoder layers (0: the checkpoint has none)
 
     @property
     def skipped(self) -> dict[str, int]:
-        return dict(self.layout.skipped)
+        """Keys nothing reads, by skipped prefix (the vision tower); the MTP head's are read by the head."""
+        return {k: n for k, n in self.layout.skipped.items() if k != MTP_PREFIX}
 
     @property
-    def mtp_keys(self) -> list[str]:
-        return sorted(k for k in self.reader.keys() if k.startswith(MTP_PREFIX))
+    def mtp_names(self) -> dict[str, str]:
+        return {k: k for k in self.reader.keys() if k.startswith(MTP_PREFIX)}
 
 
 def weights_identity(reader: SafetensorsCheckpoint) -> str:
@@ -242,24 +138,31 @@ def weights_identity(reader: SafetensorsCheckpoint) -> str:
 
 
 def open_checkpoint(directory: str | Path, cfg: FlashNextConfig) -> Checkpoint:
-    """Read the headers, resolve the layout, audit. Nothing but the small hashing buffers is read; a failure
-    names its tensor or file."""
+    """Read the headers, resolve the layout, audit (the MTP head's tensors too, when there are any).
+    Nothing but the small hashing buffers is read; a failure names its tensor or file."""
     reader = SafetensorsCheckpoint(directory)
     try:
         layout = LAYOUT.resolve(reader.keys(), cfg.tie_word_embeddings)
     except ValueError as exc:
         raise AuditError(f"checkpoint {reader.dir}: {exc}") from exc
+    mtp_keys = [k for k in reader.keys() if k.startswith(MTP_PREFIX)]
+    mtp_layers = mtp_layer_count(mtp_keys)
+    if mtp_keys and cfg.mtp_num_hidden_layers is not None and mtp_layers != cfg.mtp_num_hidden_layers:
+        raise AuditError(f"checkpoint {reader.dir}: the MTP head has {mtp_layers} decoder layers (mtp.layers.*), "
+                         f"the config's mtp_num_hidden_layers is {cfg.mtp_num_hidden_layers}")
     expected = expected_tensors(cfg)
-    audit(reader, expected, layout.names)
+    expected_mtp = expected_mtp_tensors(cfg, mtp_layers) if mtp_keys else {}
+    audit(reader, {**expected, **expected_mtp}, {**layout.names, **{k: k for k in mtp_keys}})
     tables = _audit_tables(reader, layout.names, cfg, ngram_hashes(cfg))
     known = set(expected) | {n for parts in tables.values() for n in parts}
-    known |= {_table_prefix(layer) + b for layer in tables for b in _HASH_BUFFERS}
-    unknown = sorted(set(layout.names) - known)
+    known |= {table_prefix(layer) + b for layer in tables for b in HASH_BUFFERS}
+    unknown = sorted(set(layout.names) - known) + sorted(set(mtp_keys) - set(expected_mtp))
     if unknown:
+        key = layout.names.get(unknown[0], unknown[0])
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        raise AuditError(f"checkpoint {reader.dir}: tensor {layout.names[unknown[0]]!r} is not one the "
-                         f"qwen4_exp model reads{more}; its config does not describe this checkpoint")
-    return Checkpoint(reader, layout, expected, tables, weights_identity(reader))
+        raise AuditError(f"checkpoint {reader.dir}: tensor {key!r} is not one the qwen4_exp model reads{more}; "
+                         f"its config does not describe this checkpoint")
+    return Checkpoint(reader, layout, expected, tables, weights_identity(reader), mtp_layers)
 
 
 # -- the loaded weights ------------------------------------------------------------------------------
@@ -415,6 +318,76 @@ class FlashNextWeights:
 Tables = Callable[[int], RowTable]   # layer -> its PLE table
 
 
+class Builder:
+    """Weights by canonical name: a ``Linear`` of the dtype's registered format, an fp32 vector, and the
+    layer parts the target and the MTP head share. ``progress(done, total, what)`` is called per tensor."""
+
+    def __init__(self, get: Callable[[str], torch.Tensor], cfg: FlashNextConfig, dtype: str,
+                 device: str | torch.device, total: int,
+                 progress: Callable[[int, int, str], None] | None = None) -> None:
+        self.fmt, self.act = DTYPES[normalise_dtype(dtype)]
+        self.device = torch.device(device)
+        self.cfg, self._get, self._progress = cfg, get, progress
+        self.total, self.done = total, 0
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self._get(name)
+        self.done += 1
+        if self._progress is not None:
+            self._progress(self.done, self.total, "weights")
+        return t
+
+    def linear(self, name: str) -> Linear:
+        return make_linear(self.fmt, self.tensor(name), device=self.device)
+
+    def vec(self, name: str) -> torch.Tensor:
+        return self.tensor(name).to(device=self.device, dtype=torch.float32)
+
+    def hyper(self, p: str, combine: bool) -> HyperWeights:
+        return HyperWeights(self.vec(p + "hc_norm.weight"), self.linear(p + "input_mix_weight_down.weight"),
+                            self.linear(p + "input_mix_weight_up.weight"),
+                            self.linear(p + "block_inject_weight.weight") if combine else None)
+
+    def expert(self, p: str) -> ExpertWeights:
+        return ExpertWeights(self.linear(p + "gate_proj.weight"), self.linear(p + "up_proj.weight"),
+                             self.linear(p + "down_proj.weight"))
+
+    def attention(self, a: str) -> AttentionWeights:
+        return AttentionWeights(
+            q=self.linear(a + "q_proj.weight"), k=self.linear(a + "k_proj.weight"),
+            v=self.linear(a + "v_proj.weight"), o=self.linear(a + "o_proj.weight"),
+            q_norm=self.vec(a + "q_norm.weight"), k_norm=self.vec(a + "k_norm.weight"),
+            index_qk=self.linear(a + "indexer.index_qk_proj.weight"),
+            index_q_norm=self.vec(a + "indexer.q_layernorm.weight"),
+            index_k_norm=self.vec(a + "indexer.k_layernorm.weight"))
+
+    def moe(self, m: str) -> MoEWeights:
+        return MoEWeights(router=self.linear(m + "gate.weight"),
+                          experts=tuple(self.expert(f"{m}experts.{e}.") for e in range(self.cfg.num_experts)),
+                          shared=self.expert(m + "shared_expert."),
+                          shared_gate=self.linear(m + "shared_expert_gate.weight"))
+
+    def gdn(self, a: str) -> GDNWeights:
+        cfg = self.cfg
+        return GDNWeights(
+            in_qkv=self.linear(a + "in_proj_qkv.weight"), in_z=self.linear(a + "in_proj_z.weight"),
+            in_b=self.linear(a + "in_proj_b.weight"), in_a=self.linear(a + "in_proj_a.weight"),
+            conv=self.vec(a + "conv1d.weight").reshape(cfg.conv_dim, cfg.linear_conv_kernel_dim),
+            A_log=self.vec(a + "A_log"), dt_bias=self.vec(a + "dt_bias"), norm=self.vec(a + "norm.weight"),
+            out=self.linear(a + "out_proj.weight"))
+
+    def ple(self, q: str, layer: int, hash_: NGramHash, table: RowTable) -> PLEWeights:
+        cfg = self.cfg
+        if table.rows != hash_.rows or table.width != cfg.ngram_head_dim:
+            raise ValueError(f"PLE layer {layer}: table [{table.rows}, {table.width}], the config needs "
+                             f"[{hash_.rows}, {cfg.ngram_head_dim}]")
+        return PLEWeights(
+            hash=hash_, table=table, key=self.linear(q + "key_proj.weight"),
+            value=self.linear(q + "value_proj.weight"), norm_key=self.vec(q + "norm_key.weight"),
+            norm_query=self.vec(q + "norm_query.weight"), norm_conv=self.vec(q + "norm_conv.weight"),
+            conv=self.vec(q + "conv1d.weight").reshape(cfg.hc_dim, cfg.ple_conv_kernel_size))
+
+
 def build_weights(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor], cfg: FlashNextConfig,
                   dtype: str = "fp32", device: str | torch.device = "cpu", *, tables: Tables | None = None,
                   tied: bool | None = None, identity: str = "", skipped: Mapping[str, int] | None = None,
@@ -425,8 +398,6 @@ def build_weights(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor
     memory). ``tied``: the head reads the embedding (default: the config's ``tie_word_embeddings`` when
     no ``lm_head.weight`` is given). ``progress(done, total, what)`` is called per tensor.
     """
-    fmt, act = DTYPES[normalise_dtype(dtype)]
-    dev = torch.device(device)
     fetch = get.__getitem__ if isinstance(get, Mapping) else get
     if tied is None:
         tied = cfg.tie_word_embeddings and not (isinstance(get, Mapping) and "lm_head.weight" in get)
@@ -438,76 +409,23 @@ def build_weights(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor
         def tables(layer: int) -> RowTable:
             return RowTable([mapping[n] for n in table_names(mapping, layer)])
 
-    names = [n for n in expected_tensors(cfg) if not (tied and n == "lm_head.weight")]
-    total, done = len(names), 0
+    total = len([n for n in expected_tensors(cfg) if not (tied and n == "lm_head.weight")])
+    b = Builder(fetch, cfg, dtype, device, total, progress)
     hashes = ngram_hashes(cfg)
-
-    def tensor(name: str) -> torch.Tensor:
-        nonlocal done
-        t = fetch(name)
-        done += 1
-        if progress is not None:
-            progress(done, total, "weights")
-        return t
-
-    def linear(name: str) -> Linear:
-        return make_linear(fmt, tensor(name), device=dev)
-
-    def vec(name: str) -> torch.Tensor:
-        return tensor(name).to(device=dev, dtype=torch.float32)
-
-    def hyper(p: str, combine: bool) -> HyperWeights:
-        return HyperWeights(vec(p + "hc_norm.weight"), linear(p + "input_mix_weight_down.weight"),
-                            linear(p + "input_mix_weight_up.weight"),
-                            linear(p + "block_inject_weight.weight") if combine else None)
-
-    def expert(p: str) -> ExpertWeights:
-        return ExpertWeights(linear(p + "gate_proj.weight"), linear(p + "up_proj.weight"),
-                             linear(p + "down_proj.weight"))
-
-    embed = tensor("embed_tokens.weight").to(device=dev, dtype=act)
-    head = make_linear(fmt, embed, device=dev) if tied else linear("lm_head.weight")
+    embed = b.tensor("embed_tokens.weight").to(device=b.device, dtype=b.act)
+    head = make_linear(b.fmt, embed, device=b.device) if tied else b.linear("lm_head.weight")
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
-        attn_hc = hyper(p + "attn_hyper_connection.", True)
-        mixer: GDNWeights | AttentionWeights
-        if cfg.is_linear(i):
-            a = p + "linear_attn."
-            mixer = GDNWeights(
-                in_qkv=linear(a + "in_proj_qkv.weight"), in_z=linear(a + "in_proj_z.weight"),
-                in_b=linear(a + "in_proj_b.weight"), in_a=linear(a + "in_proj_a.weight"),
-                conv=vec(a + "conv1d.weight").reshape(cfg.conv_dim, cfg.linear_conv_kernel_dim),
-                A_log=vec(a + "A_log"), dt_bias=vec(a + "dt_bias"), norm=vec(a + "norm.weight"),
-                out=linear(a + "out_proj.weight"))
-        else:
-            a = p + "self_attn."
-            mixer = AttentionWeights(
-                q=linear(a + "q_proj.weight"), k=linear(a + "k_proj.weight"), v=linear(a + "v_proj.weight"),
-                o=linear(a + "o_proj.weight"), q_norm=vec(a + "q_norm.weight"), k_norm=vec(a + "k_norm.weight"),
-                index_qk=linear(a + "indexer.index_qk_proj.weight"),
-                index_q_norm=vec(a + "indexer.q_layernorm.weight"),
-                index_k_norm=vec(a + "indexer.k_layernorm.weight"))
-        mlp_hc = hyper(p + "mlp_hyper_connection.", True)
-        m = p + "mlp."
-        moe = MoEWeights(router=linear(m + "gate.weight"),
-                         experts=tuple(expert(f"{m}experts.{e}.") for e in range(cfg.num_experts)),
-                         shared=expert(m + "shared_expert."), shared_gate=linear(m + "shared_expert_gate.weight"))
-        ple = None
+        attn_hc = b.hyper(p + "attn_hyper_connection.", True)
+        mixer = b.gdn(p + "linear_attn.") if cfg.is_linear(i) else b.attention(p + "self_attn.")
+        mlp_hc = b.hyper(p + "mlp_hyper_connection.", True)
+        moe = b.moe(p + "mlp.")
         slot = cfg.ple_slot(i)
-        if slot is not None:
-            q = p + "ple."
-            ple = PLEWeights(
-                hash=hashes[slot], table=tables(i), key=linear(q + "key_proj.weight"),
-                value=linear(q + "value_proj.weight"), norm_key=vec(q + "norm_key.weight"),
-                norm_query=vec(q + "norm_query.weight"), norm_conv=vec(q + "norm_conv.weight"),
-                conv=vec(q + "conv1d.weight").reshape(cfg.hc_dim, cfg.ple_conv_kernel_size))
-            if ple.table.rows != ple.hash.rows or ple.table.width != cfg.ngram_head_dim:
-                raise ValueError(f"PLE layer {i}: table [{ple.table.rows}, {ple.table.width}], the config needs "
-                                 f"[{ple.hash.rows}, {cfg.ngram_head_dim}]")
+        ple = None if slot is None else b.ple(p + "ple.", i, hashes[slot], tables(i))
         layers.append(LayerWeights(cfg.layer_types[i], attn_hc, mixer, mlp_hc, moe, ple))
-    final_hc = hyper("hyper_connection_mixer.", False)
-    return FlashNextWeights(normalise_dtype(dtype), act, dev, embed, head, final_hc, tuple(layers), tied,
+    final_hc = b.hyper("hyper_connection_mixer.", False)
+    return FlashNextWeights(normalise_dtype(dtype), b.act, b.device, embed, head, final_hc, tuple(layers), tied,
                             identity, dict(skipped or {}))
 
 
