@@ -114,7 +114,7 @@ def flashnext_ckpts(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints
     sigmoid = build_text(root / "sigmoid", seed=SEED + 7, output_gate_type="sigmoid")
     shutil.copytree(text.path, root / "mtp")
     head = reference_head(text.model, SEED + 11)
-    add_head(root / "mtp", head.state_dict_for_checkpoint())
+    add_head(root / "mtp", head.checkpoint_tensors())
     mtp = TinyCheckpoint(root / "mtp", text.model, text.raw_config)
     return TinyCheckpoints(text, vl, sigmoid, mtp, head)
 

@@ -1,7 +1,7 @@
-"""Flash-Next's MTP head against its reference forward (``tests/mtp_reference.py``: the published Qwen3-Next /
-Qwen3.5 MTP design on transformers' own qwen4_exp modules, since transformers drops ``mtp.*``), on a tiny random
-head in the ``mtp.*`` layout: every position's hidden rows and logits in both forms, chained drafts, and every
-malformed head refused by name."""
+"""Flash-Next's MTP head against its reference forward (``tests/mtp_reference.py``: vLLM's published qwen4_exp
+MTP design on transformers' own qwen4_exp modules, since transformers drops ``mtp.*``), on a tiny random head
+in the ``mtp.*`` layout: every position's rows in both forms, chained drafts, the target's streams it reads
+(its tap and the ``mtp.h_last`` section), and every malformed head refused by name."""
 
 from __future__ import annotations
 
@@ -10,12 +10,16 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest_flashnext import flashnext_ckpts, load_model, per_position, prompt, rel_err  # noqa: F401
+from mtp_reference import target_streams
 
 from tandem_core.checkpoint.audit import AuditError
 from tandem_flashnext.config import read_config
+from tandem_flashnext.model import FlashNextModel
 from tandem_flashnext.mtp import MTPHead, load_mtp
+from tandem_flashnext.steps import tree_step
 from tandem_flashnext.weights import load_weights, open_checkpoint
 
 T = 40               # positions: five times the QSA budget, so the head's own selection matters
@@ -29,70 +33,84 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def opened(path):
+    cfg = read_config(json.loads((path / "config.json").read_text()))
+    return cfg, open_checkpoint(path, cfg)
+
+
 @pytest.fixture(scope="module")
 def head(flashnext_ckpts):
-    path = flashnext_ckpts.mtp.path
-    cfg = read_config(json.loads((path / "config.json").read_text()))
-    ckpt = open_checkpoint(path, cfg)
+    cfg, ckpt = opened(flashnext_ckpts.mtp.path)
     assert ckpt.mtp_layers == 1 and ckpt.skipped == {}
-    target = load_weights(ckpt, cfg)
-    return MTPHead(cfg, target, load_mtp(ckpt, cfg), max_context=128)
+    return MTPHead(cfg, load_weights(ckpt, cfg), load_mtp(ckpt, cfg), max_context=128)
 
 
 @pytest.fixture(scope="module")
 def inputs(flashnext_ckpts):
-    """The target's hidden rows h_0..h_{T-1} (transformers') and the next tokens x_1..x_T."""
+    """The target's streams s_0..s_{T-1} before its final mixer (transformers') and the next tokens x_1..x_T."""
     ids = prompt(T + 1, seed=13)
-    with torch.no_grad():
-        hidden = flashnext_ckpts.text.model.model(ids[None, :T]).last_hidden_state[0]
-    return ids[1:], hidden
+    return ids, target_streams(flashnext_ckpts.text.model, ids[:T])
 
 
 def test_a_checkpoint_without_a_head_has_none(flashnext_ckpts):
-    path = flashnext_ckpts.text.path
-    cfg = read_config(json.loads((path / "config.json").read_text()))
-    ckpt = open_checkpoint(path, cfg)
+    cfg, ckpt = opened(flashnext_ckpts.text.path)
     assert ckpt.mtp_layers == 0 and load_mtp(ckpt, cfg) is None
 
 
+def test_the_target_gives_the_head_its_streams(flashnext_ckpts, inputs):
+    ids, streams = inputs
+    cfg = read_config(flashnext_ckpts.mtp.raw_config)
+    model = load_model(flashnext_ckpts.mtp.path)
+    model = FlashNextModel(cfg, model.w, max_context=128, taps=[cfg.num_hidden_layers - 1], last_streams=True)
+    rows = model.prefill(ids[:T - 3], 0)
+    assert rel_err(rows.taps[cfg.num_hidden_layers - 1], streams[:T - 3]) < 1e-4
+    sections, _ = model.buffers()
+    assert torch.equal(sections["mtp.h_last"], rows.taps[cfg.num_hidden_layers - 1][-1])
+    last = model.decode(ids[T - 3:T - 2], T - 3).taps[cfg.num_hidden_layers - 1][0]
+    assert torch.equal(sections["mtp.h_last"], last)
+    tree = tree_step(T - 2, [-1, 0, -1])                     # a commit leaves its path's last streams
+    verified = model.verify(ids[T - 2:T + 1], tree).taps[cfg.num_hidden_layers - 1]
+    model.commit(tree, [0, 1])
+    assert torch.equal(sections["mtp.h_last"], verified[1])
+    assert rel_err(verified[1], streams[T - 1]) < 1e-4
+
+
 def test_the_heads_prefill_equals_the_reference_at_every_position(flashnext_ckpts, head, inputs):
-    nxt, hidden = inputs
-    ref_h, ref_logits = flashnext_ckpts.head(nxt, hidden)
-    got = head.forward(nxt, hidden, 0)
+    ids, streams = inputs
+    ref_h, ref_s, ref_logits = flashnext_ckpts.head(ids[1:], streams)
+    got = head.forward(ids[1:], streams, 0)
     assert float(per_position(got.logits, ref_logits).max()) < 1e-4
-    assert rel_err(got.hidden, ref_h) < 1e-4
+    assert rel_err(got.hidden, ref_h) < 1e-4 and rel_err(got.streams, ref_s) < 1e-4
 
 
 def test_the_heads_decode_form_equals_the_reference(flashnext_ckpts, head, inputs):
-    nxt, hidden = inputs
-    _, ref_logits = flashnext_ckpts.head(nxt, hidden)
-    head.forward(nxt[:25], hidden[:25], 0)
-    rows = [head.forward(nxt[t:t + 1], hidden[t:t + 1], t).logits for t in range(25, T)]
+    ids, streams = inputs
+    _, _, ref_logits = flashnext_ckpts.head(ids[1:], streams)
+    head.forward(ids[1:26], streams[:25], 0)
+    rows = [head.forward(ids[t + 1:t + 2], streams[t:t + 1], t).logits for t in range(25, T)]
     assert float(per_position(torch.cat(rows), ref_logits[25:]).max()) < 1e-4
 
 
 def test_a_chained_draft_equals_the_reference_fed_its_own_outputs(flashnext_ckpts, head, inputs):
-    nxt, hidden = inputs
-    head.forward(nxt[:T - 1], hidden[:T - 1], 0)
-    draft = head.draft(int(nxt[T - 1]), hidden[T - 1], T - 1, depth=4)
+    ids, streams = inputs
+    head.forward(ids[1:T], streams[:T - 1], 0)
+    draft = head.draft(int(ids[T]), streams[T - 1], T - 1, depth=4)
     assert draft.tokens.shape == draft.probs.shape == (4, 2)
-    tokens, states = nxt.clone(), hidden.clone()
+    tokens, states = ids[1:].clone(), streams.clone()
     for k in range(4):                                   # the reference over the whole sequence, one depth longer
-        ref_h, ref_logits = flashnext_ckpts.head(tokens, states)
-        p = torch.softmax(ref_logits[-1], dim=-1)
-        top = p.topk(2)
+        _, ref_s, ref_logits = flashnext_ckpts.head(tokens, states)
+        top = torch.softmax(ref_logits[-1], dim=-1).topk(2)
         assert draft.tokens[k].tolist() == top.indices.tolist(), f"depth {k}"
         assert torch.allclose(draft.probs[k], top.values, atol=1e-5), f"depth {k}"
         tokens = torch.cat([tokens, top.indices[:1]])
-        states = torch.cat([states, ref_h[-1:]])
+        states = torch.cat([states, ref_s[-1:]])
     assert (draft.probs[:, 0] >= draft.probs[:, 1]).all()
 
 
 def test_the_target_reads_the_same_with_its_head(flashnext_ckpts):
     ids = prompt(30)
-    with_head = load_model(flashnext_ckpts.mtp.path).prefill(ids, 0).logits
-    without = load_model(flashnext_ckpts.text.path).prefill(ids, 0).logits
-    assert torch.equal(with_head, without)
+    assert torch.equal(load_model(flashnext_ckpts.mtp.path).prefill(ids, 0).logits,
+                       load_model(flashnext_ckpts.text.path).prefill(ids, 0).logits)
 
 
 @pytest.fixture
@@ -102,29 +120,43 @@ def mtp_copy(flashnext_ckpts, tmp_path):
     return path
 
 
-@pytest.mark.parametrize("key, value, named", [
-    ("mtp.fc.weight", torch.zeros(64, 192), r"tensor 'mtp\.fc\.weight' has shape \[64, 192\], the config needs \[64, 128\]"),
-    ("mtp.layers.0.self_attn.q_proj.weight", torch.zeros(128, 64),
-     r"tensor 'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape \[128, 64\], the config needs \[256, 64\]"),
-    ("mtp.layers.0.mlp.experts.3.down_proj.weight", None,
-     r"missing tensor 'mtp\.layers\.0\.mlp\.experts\.3\.down_proj\.weight'"),
-    ("mtp.embed_tokens.weight", torch.zeros(320, 64),
-     r"tensor 'mtp\.embed_tokens\.weight' is not one the qwen4_exp model reads"),
-    ("mtp.layers.1.input_layernorm.weight", torch.zeros(64),
-     r"missing tensor 'mtp\.layers\.1\.post_attention_layernorm\.weight'"),
-])
-def test_a_malformed_head_is_refused_by_name(mtp_copy, key, value, named):
-    from safetensors.torch import load_file, save_file
-
-    data = load_file(str(mtp_copy / "model.safetensors"))
+def edit(path, key, value) -> None:
+    data = load_file(str(path / "model.safetensors"))
     if value is None:
         data.pop(key)
     else:
         data[key] = value
-    save_file(data, str(mtp_copy / "model.safetensors"), metadata={"format": "pt"})
-    cfg = read_config(json.loads((mtp_copy / "config.json").read_text()))
+    save_file(data, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("mtp.fc_hidden.weight", torch.zeros(64, 192),
+     r"tensor 'mtp\.fc_hidden\.weight' has shape \[64, 192\], the config needs \[64, 64\]"),
+    ("mtp.pre_fc_norm_hidden.weight", torch.zeros(64),
+     r"tensor 'mtp\.pre_fc_norm_hidden\.weight' has shape \[64\], the config needs \[192\]"),
+    ("mtp.layers.0.self_attn.q_proj.weight", torch.zeros(128, 64),
+     r"tensor 'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape \[128, 64\], the config needs \[256, 64\]"),
+    ("mtp.layers.0.mlp.experts.3.down_proj.weight", None,
+     r"missing tensor 'mtp\.layers\.0\.mlp\.experts\.3\.down_proj\.weight'"),
+    ("mtp.fc.weight", torch.zeros(64, 128), r"tensor 'mtp\.fc\.weight' is not one the qwen4_exp model reads"),
+    ("mtp.layers.1.attn_hyper_connection.hc_norm.weight", torch.zeros(192),
+     r"missing tensor 'mtp\.layers\.1\.attn_hyper_connection\.input_mix_weight_down\.weight'"),
+])
+def test_a_malformed_head_is_refused_by_name(mtp_copy, key, value, named):
+    edit(mtp_copy, key, value)
     with pytest.raises(AuditError, match=named):
-        open_checkpoint(mtp_copy, cfg)
+        opened(mtp_copy)
+
+
+def test_a_final_mixers_unused_inject_weight_is_counted_and_its_shape_checked(mtp_copy):
+    edit(mtp_copy, "mtp.hyper_connection_mixer.block_inject_weight.weight", torch.zeros(3, 192))
+    edit(mtp_copy, "model.hyper_connection_mixer.block_inject_weight.weight", torch.zeros(3, 192))
+    _, ckpt = opened(mtp_copy)
+    assert ckpt.skipped == {"mtp.hyper_connection_mixer.block_inject_weight.weight": 1,
+                            "model.hyper_connection_mixer.block_inject_weight.weight": 1}
+    edit(mtp_copy, "mtp.hyper_connection_mixer.block_inject_weight.weight", torch.zeros(4, 192))
+    with pytest.raises(AuditError, match=r"'mtp\.hyper_connection_mixer\.block_inject_weight\.weight' has shape"):
+        opened(mtp_copy)
 
 
 def test_a_head_the_config_counts_otherwise_is_refused(mtp_copy):

@@ -19,9 +19,9 @@ import torch
 
 from tandem_flashnext.config import FlashNextConfig
 from tandem_flashnext.steps import MatMul, TreeStep
-from tandem_flashnext.weights import ExpertWeights, GDNWeights, HyperWeights, MoEWeights
+from tandem_flashnext.weights import ExpertWeights, GDNWeights, HyperWeights, LayerWeights, MoEWeights
 
-__all__ = ["hyper_mix", "hyper_inject", "stream_norm", "RuleRows", "gated_deltanet", "moe", "route"]
+__all__ = ["hyper_mix", "hyper_inject", "stream_norm", "decoder_block", "RuleRows", "gated_deltanet", "moe", "route"]
 
 Ops = dict[str, Callable[..., Any]]
 
@@ -57,6 +57,25 @@ def hyper_inject(x: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> to
     """Each stream gets the block's output ``out: [T, H]`` times its weight: ``x + out * inject[:, s]``."""
     T = x.shape[0]
     return x + (out[:, None, :] * inject[:, :, None]).reshape(T, -1)
+
+
+def decoder_block(op: Ops, mm: MatMul, x: torch.Tensor, layer: LayerWeights, cfg: FlashNextConfig,
+                  mixer: Callable[[torch.Tensor], torch.Tensor], capture: list | None = None,
+                  name: str = "") -> torch.Tensor:
+    """One decoder layer on the streams ``x: [T, n*H]`` (after its PLE, if any): the attention
+    hyper-connection around ``mixer`` (``[T, H] -> [T, H]``: the layer's Gated DeltaNet or attention), then
+    the MLP hyper-connection around the MoE. ``capture`` gets the streams after each (``name`` mixer/mlp)."""
+    h, inject = hyper_mix(op, mm, x, layer.attn_hc, cfg)                       # h: [T, H]
+    assert inject is not None
+    x = hyper_inject(x, mixer(h), inject)
+    if capture is not None:
+        capture.append((f"{name} {layer.kind} mixer", x.clone()))
+    h, inject = hyper_mix(op, mm, x, layer.mlp_hc, cfg)
+    assert inject is not None
+    x = hyper_inject(x, moe(op, mm, h, layer.moe, cfg.num_experts_per_tok), inject)
+    if capture is not None:
+        capture.append((f"{name} mlp", x.clone()))
+    return x
 
 
 # -- the Gated DeltaNet mixer ------------------------------------------------------------------------

@@ -11,13 +11,16 @@ The experts are stored one module each (``mlp.experts.E.{gate,up,down}_proj.weig
 ``ngram_embedding.shard_K.weight`` row ranges (``torch.chunk``'s sizes, at most
 ``split_ngram_parts`` of them) or one ``ngram_embedding.weight``.
 
-The MTP head (``mtp.*``) follows the published Qwen3-Next / Qwen3.5 MTP layout
-(``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc`` [H, 2H], ``layers.J`` decoder
-layers with ``input_layernorm`` / ``post_attention_layernorm``, ``norm``; the embedding and
-head shared with the target). No published qwen4_exp MTP layer exists: its layer here is
-the family's attention layer (QSA indexed attention, ``self_attn.indexer.*``) and its sparse
-MoE (``mlp.gate``, ``mlp.experts.E.*``, ``mlp.shared_expert*``) in that pre-norm residual
-form; any other tensor under ``mtp.`` is refused by name.
+The MTP head (``mtp.*``) follows vLLM's published qwen4_exp MTP (``Qwen4ExpMultiTokenPredictor``):
+``pre_fc_norm_embedding`` [H], ``pre_fc_norm_hidden`` [n*H] (one RMS over the streams side by
+side), ``fc_embedding`` and ``fc_hidden`` [H, H] (the latter shared by the streams),
+``layers.J`` qwen4_exp decoder layers of the attention kind without PLE (hyper-connections, QSA
+attention with ``self_attn.indexer.*``, the sparse MoE), and ``hyper_connection_mixer``; the
+embedding and head are the target's. Any other tensor under ``mtp.`` is refused by name.
+
+``unused_tensors``: what a checkpoint may carry that nothing reads, accepted (shape checked) and
+counted: a final mixer's ``block_inject_weight`` (the target's or the head's; a final mixer injects
+nothing, and vLLM drops it too).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from tandem_core.checkpoint.layout import Layout
 
 from tandem_flashnext.config import FlashNextConfig
 
-__all__ = ["LAYOUT", "MTP_PREFIX", "HASH_BUFFERS", "expected_tensors", "expected_mtp_tensors", "mtp_layer_count",
-           "table_names", "table_prefix"]
+__all__ = ["LAYOUT", "MTP_PREFIX", "unused_tensors", "HASH_BUFFERS", "expected_tensors", "expected_mtp_tensors",
+           "mtp_layer_count", "table_names", "table_prefix"]
 
 HASH_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 
@@ -146,17 +149,25 @@ def mtp_layer_count(keys: Iterable[str]) -> int:
     return max(found) + 1 if found else 0
 
 
+def unused_tensors(cfg: FlashNextConfig) -> dict[str, Expect]:
+    """Name (canonical for the target, ``mtp.*`` for the head) -> shape, of tensors accepted but never read."""
+    inject = Expect((cfg.hc_count, cfg.hc_dim))
+    return {"hyper_connection_mixer.block_inject_weight.weight": inject,
+            MTP_PREFIX + "hyper_connection_mixer.block_inject_weight.weight": inject}
+
+
 def expected_mtp_tensors(cfg: FlashNextConfig, layers: int) -> dict[str, Expect]:
     """Key -> expected shape, for every tensor of an MTP head of ``layers`` decoder layers."""
     H = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {
-        "fc.weight": (H, 2 * H),                 # [normed embedding of the next token; normed hidden] -> H
-        "pre_fc_norm_embedding.weight": (H,), "pre_fc_norm_hidden.weight": (H,), "norm.weight": (H,),
+        "pre_fc_norm_embedding.weight": (H,), "pre_fc_norm_hidden.weight": (cfg.hc_dim,),
+        "fc_embedding.weight": (H, H), "fc_hidden.weight": (H, H),
     }
+    out.update({"hyper_connection_mixer." + k: s for k, s in _hyper(cfg, combine=False).items()})
     for j in range(layers):
         p = f"layers.{j}."
-        out[p + "input_layernorm.weight"] = (H,)
-        out[p + "post_attention_layernorm.weight"] = (H,)
+        for hc in ("attn_hyper_connection.", "mlp_hyper_connection."):
+            out.update({p + hc + k: s for k, s in _hyper(cfg, combine=True).items()})
         out.update({p + "self_attn." + k: s for k, s in _attention(cfg).items()})
         out.update({p + "mlp." + k: s for k, s in _moe(cfg).items()})
     return {MTP_PREFIX + k: Expect(s) for k, s in out.items()}

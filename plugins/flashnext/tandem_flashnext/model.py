@@ -15,6 +15,8 @@ The model owns every buffer its sequence needs, allocated once for ``max_context
               gdn.conv    [L_gdn, conv_dim, K-1]       act    its last K-1 conv inputs
               ple.conv    [L_ple, n*H, (Kp-1)*d]       act    each PLE module's last dilated-conv inputs
               ngram.ctx   [ngram_size - 1]             int64  the last tokens (eos before the first one)
+              mtp.h_last  [n*H]                        act    the last token's streams before the final mixer
+                                                              (what the MTP head reads; ``last_streams=True``)
     views     K, V        [L_attn, Hkv, max_ctx, D]    act    keys (after k_norm and rope) and values, axis 2
               IK          [L_attn, max_ctx, Di]        act    the indexer's raw keys, axis 1
 
@@ -27,6 +29,9 @@ Gated DeltaNet state by the recurrent form over the kept rule rows, the conv tai
 the n-gram context), ``replay(kept, n)`` (redo the first ``n`` tokens of kept commits on
 sections put back to an earlier point), ``reset()``.
 
+``taps``: layers whose output streams ``[T, n*H]`` a call returns in ``Rows.taps`` (the MTP head
+reads the last layer's: the streams before the final mixer).
+
 Every op comes from ``tandem_core.ops.get`` for the device; the PLE tables stay on the
 host and a step gathers its rows there (``tandem_flashnext.ngram.RowTable``).
 """
@@ -34,6 +39,7 @@ host and a step gathers its rows there (``tandem_flashnext.ngram.RowTable``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -42,13 +48,13 @@ from tandem_core import ops
 from tandem_core.ops import rope as _rope
 from tandem_core.ops.conv import conv_tail
 
-from tandem_flashnext.blocks import RuleRows, gated_deltanet, hyper_inject, hyper_mix, moe
+from tandem_flashnext.blocks import RuleRows, decoder_block, gated_deltanet, hyper_mix
 from tandem_flashnext.config import FlashNextConfig
 from tandem_flashnext.ngram import context_after
 from tandem_flashnext.ple import ple
 from tandem_flashnext.qsa import AttentionRows, indexed_attention
 from tandem_flashnext.steps import Capture, Rows, Step, TreeStep, batched
-from tandem_flashnext.weights import FlashNextWeights, GDNWeights
+from tandem_flashnext.weights import AttentionWeights, FlashNextWeights, GDNWeights
 
 __all__ = ["FlashNextModel", "PathRows", "MODEL_OPS"]
 
@@ -64,6 +70,7 @@ class PathRows(NamedTuple):
     rule: dict[int, RuleRows]              # by GDN slot
     ple_in: dict[int, torch.Tensor]        # by PLE slot: the dilated conv's inputs [P, n*H]
     ids: torch.Tensor                      # [P] the tokens (the n-gram context)
+    streams: torch.Tensor | None = None    # [P, n*H] the streams before the final mixer (``last_streams``)
 
     @property
     def count(self) -> int:
@@ -71,18 +78,21 @@ class PathRows(NamedTuple):
 
     def take(self, idx: torch.Tensor) -> "PathRows":
         return PathRows({s: r.take(idx) for s, r in self.rule.items()},
-                        {s: t.index_select(0, idx) for s, t in self.ple_in.items()}, self.ids.index_select(0, idx))
+                        {s: t.index_select(0, idx) for s, t in self.ple_in.items()}, self.ids.index_select(0, idx),
+                        None if self.streams is None else self.streams.index_select(0, idx))
 
     def head(self, n: int) -> "PathRows":
         return PathRows({s: r.head(n) for s, r in self.rule.items()},
-                        {s: t[:n] for s, t in self.ple_in.items()}, self.ids[:n])
+                        {s: t[:n] for s, t in self.ple_in.items()}, self.ids[:n],
+                        None if self.streams is None else self.streams[:n])
 
     @staticmethod
     def cat(parts: Sequence["PathRows"]) -> "PathRows":
         first = parts[0]
+        streams = None if first.streams is None else torch.cat([p.streams for p in parts])   # type: ignore[misc]
         return PathRows({s: RuleRows.cat([p.rule[s] for p in parts]) for s in first.rule},
                         {s: torch.cat([p.ple_in[s] for p in parts]) for s in first.ple_in},
-                        torch.cat([p.ids for p in parts]))
+                        torch.cat([p.ids for p in parts]), streams)
 
 
 @dataclass
@@ -98,16 +108,21 @@ class FlashNextModel:
     """One Flash-Next sequence over shared ``FlashNextWeights``.
 
     ``max_context``: tokens the buffers hold (a verify's scratch rows included). ``gdn_chunk``: tokens per
-    chunk of the chunked gated delta rule in a prefill.
+    chunk of the chunked gated delta rule in a prefill. ``taps``: layers whose output streams every call
+    returns. ``last_streams``: keep the last token's final streams as the section ``mtp.h_last``.
     """
 
     def __init__(self, cfg: FlashNextConfig, weights: FlashNextWeights, *, max_context: int,
-                 gdn_chunk: int = 64) -> None:
+                 gdn_chunk: int = 64, taps: Sequence[int] = (), last_streams: bool = False) -> None:
         if max_context <= 0 or gdn_chunk <= 0:
             raise ValueError(f"max_context ({max_context}) and gdn_chunk ({gdn_chunk}) must be positive")
         self.cfg, self.w = cfg, weights
         self.device, self.act_dtype = weights.device, weights.act_dtype
         self.max_context, self.gdn_chunk = int(max_context), int(gdn_chunk)
+        bad = [t for t in taps if not 0 <= t < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"taps: layer {bad[0]} is not one of the model's {cfg.num_hidden_layers} layers")
+        self.taps = tuple(sorted(set(int(t) for t in taps)))
         self._op: dict[str, Callable[..., Any]] = {name: ops.get(name, self.device) for name in MODEL_OPS}
         dev, act = self.device, self.act_dtype
         n_gdn, n_attn, n_ple = len(cfg.linear_layers), len(cfg.attention_layers), len(cfg.ple_layer_ids)
@@ -123,6 +138,7 @@ class FlashNextModel:
         self._V = torch.zeros(kv_shape, dtype=act, device=dev)
         self._IK = torch.zeros(n_attn, self.max_context, cfg.indexer_head_dim, dtype=act, device=dev)
         self._inv_freq = _rope.inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)
+        self._h_last = torch.zeros(cfg.hc_dim, dtype=act, device=dev) if last_streams else None
         self._verified: _Verified | None = None
 
     # -- the state ------------------------------------------------------------------------------
@@ -132,6 +148,8 @@ class FlashNextModel:
         sections = {"gdn.S": self._S, "gdn.conv": self._conv}
         if self.cfg.ple_layer_ids:
             sections.update({"ple.conv": self._ple_conv, "ngram.ctx": self._ctx})
+        if self._h_last is not None:
+            sections["mtp.h_last"] = self._h_last
         views = {"K": (self._K, 2), "V": (self._V, 2), "IK": (self._IK, 1)} if self.cfg.attention_layers else {}
         return sections, views
 
@@ -141,6 +159,8 @@ class FlashNextModel:
         self._conv.zero_()
         self._ple_conv.zero_()
         self._ctx.fill_(self._eos)
+        if self._h_last is not None:
+            self._h_last.zero_()
         self._verified = None
 
     # -- the verbs ------------------------------------------------------------------------------
@@ -151,7 +171,7 @@ class FlashNextModel:
         batched arithmetic. ``logits``: "all" ([T, V]), "last" ([1, V]) or "none"."""
         step = Step(int(start), int(ids.numel()))
         self._check_room(step.end)
-        h = self._layers(ids, step, None, capture)
+        h, taps = self._layers(ids, step, None, capture)
         self._ctx.copy_(context_after(self._ctx, ids))
         if logits == "all":
             out: torch.Tensor | None = batched(self.w.head, h).float()
@@ -161,7 +181,7 @@ class FlashNextModel:
             out = None
         else:
             raise ValueError(f"prefill: logits={logits!r} is not 'all', 'last' or 'none'")
-        return Rows(h, out, {})
+        return Rows(h, out, taps)
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, start: int, *, capture: Capture | None = None) -> Rows:
@@ -170,9 +190,9 @@ class FlashNextModel:
             raise ValueError(f"decode: one token, got {ids.numel()}")
         step = Step(int(start), 1)
         self._check_room(step.end)
-        h = self._layers(ids.reshape(1), step, None, capture)
+        h, taps = self._layers(ids.reshape(1), step, None, capture)
         self._ctx.copy_(context_after(self._ctx, ids.reshape(1)))
-        return Rows(h, self._op["linear_rows"](self.w.head, h).float(), {})
+        return Rows(h, self._op["linear_rows"](self.w.head, h).float(), taps)
 
     @torch.no_grad()
     def verify(self, ids: torch.Tensor, tree: TreeStep, *, capture: Capture | None = None) -> Rows:
@@ -184,9 +204,9 @@ class FlashNextModel:
         self._check_room(tree.start + max(tree.depth) + 1)
         self._verified = None
         record = _Verified(tree, PathRows({}, {}, ids.reshape(-1).clone()))
-        h = self._layers(ids.reshape(-1), tree, record, capture)
+        h, taps = self._layers(ids.reshape(-1), tree, record, capture)
         self._verified = record
-        return Rows(h, self._op["linear_rows"](self.w.head, h).float(), {})
+        return Rows(h, self._op["linear_rows"](self.w.head, h).float(), taps)
 
     @torch.no_grad()
     def commit(self, tree: TreeStep, path: torch.Tensor | Sequence[int]) -> PathRows | None:
@@ -231,6 +251,8 @@ class FlashNextModel:
         for slot, x in rows.ple_in.items():
             self._ple_conv[slot].copy_(conv_tail(self._ple_conv[slot], x))
         self._ctx.copy_(context_after(self._ctx, rows.ids))
+        if self._h_last is not None and rows.streams is not None and rows.count:
+            self._h_last.copy_(rows.streams[-1])
 
     def _check_room(self, end: int) -> None:
         if end > self.max_context:
@@ -238,42 +260,48 @@ class FlashNextModel:
 
     # -- one call's rows through every layer --------------------------------------------------------
     def _layers(self, ids: torch.Tensor, step: Step | TreeStep, rec: _Verified | None,
-                capture: Capture | None) -> torch.Tensor:
-        # ids: [T] -> hidden after the final mixer [T, H]; a Step advances the state, a TreeStep fills rec
+                capture: Capture | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        # ids: [T] -> (hidden after the final mixer [T, H], taps); a Step advances the state, a TreeStep fills rec
         cfg, w, op = self.cfg, self.w, self._op
         mm = op["linear_rows"] if step.rowwise else batched
         cos, sin = _rope.cos_sin(step.positions(self.device), self._inv_freq)          # [T, R] each
         x = w.embed[ids].repeat(1, cfg.hc_count)                                       # x: [T, n*H]
+        taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
+            slot = cfg.slot(i)
             if layer.ple is not None:
-                slot = cfg.ple_slot(i)
-                assert slot is not None
-                add, conv_in = ple(op, mm, x, ids, layer.ple, cfg, step, self._ple_conv[slot], self._ctx)
+                m = cfg.ple_slot(i)
+                assert m is not None
+                add, conv_in = ple(op, mm, x, ids, layer.ple, cfg, step, self._ple_conv[m], self._ctx)
                 x = x + add
                 if rec is not None:
-                    rec.rows.ple_in[slot] = conv_in
-            h, inject = hyper_mix(op, mm, x, layer.attn_hc, cfg)                      # h: [T, H]
-            assert inject is not None
-            slot = cfg.slot(i)
-            if isinstance(layer.mixer, GDNWeights):
-                out, rule = gated_deltanet(op, mm, h, layer.mixer, cfg, step, self._S[slot], self._conv[slot],
-                                           self.gdn_chunk)
-                if rec is not None and rule is not None:
-                    rec.rows.rule[slot] = rule
+                    rec.rows.ple_in[m] = conv_in
+            mix = partial(self._mixer, layer.mixer, slot, step, rec, mm, cos, sin)
+            x = decoder_block(op, mm, x, layer, cfg, mix, capture, f"layer {i}")
+            if i in self.taps:
+                taps[i] = x
+        if self._h_last is not None:
+            if rec is not None:
+                rec.rows = rec.rows._replace(streams=x)
             else:
-                out, kv = indexed_attention(op, mm, h, layer.mixer, cfg, step, self._K[slot], self._V[slot],
-                                            self._IK[slot], cos, sin, self._inv_freq)
-                if rec is not None and kv is not None:
-                    rec.attention[slot] = kv
-            x = hyper_inject(x, out, inject)
-            if capture is not None:
-                capture.append((f"layer {i} {layer.kind} mixer", x.clone()))
-            h, inject = hyper_mix(op, mm, x, layer.mlp_hc, cfg)
-            assert inject is not None
-            x = hyper_inject(x, moe(op, mm, h, layer.moe, cfg.num_experts_per_tok), inject)
-            if capture is not None:
-                capture.append((f"layer {i} mlp", x.clone()))
+                self._h_last.copy_(x[-1])
         out, _ = hyper_mix(op, mm, x, w.final_hc, cfg)
         if capture is not None:
             capture.append(("final mixer", out.clone()))
+        return out, taps
+
+    def _mixer(self, mixer: GDNWeights | AttentionWeights, slot: int, step: Step | TreeStep, rec: _Verified | None,
+               mm: Callable[[Any, torch.Tensor], torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+               h: torch.Tensor) -> torch.Tensor:
+        # a layer's token mixer, h: [T, H] -> [T, H], over its slot's state; a verify keeps what a commit needs
+        if isinstance(mixer, GDNWeights):
+            out, rule = gated_deltanet(self._op, mm, h, mixer, self.cfg, step, self._S[slot], self._conv[slot],
+                                       self.gdn_chunk)
+            if rec is not None and rule is not None:
+                rec.rows.rule[slot] = rule
+            return out
+        out, kv = indexed_attention(self._op, mm, h, mixer, self.cfg, step, self._K[slot], self._V[slot],
+                                    self._IK[slot], cos, sin, self._inv_freq)
+        if rec is not None and kv is not None:
+            rec.attention[slot] = kv
         return out

@@ -30,7 +30,7 @@ from tandem_core.linear import Linear, make_linear
 
 from tandem_flashnext.config import FlashNextConfig
 from tandem_flashnext.layout import (HASH_BUFFERS, LAYOUT, MTP_PREFIX, expected_mtp_tensors, expected_tensors,
-                                     mtp_layer_count, table_names, table_prefix)
+                                     mtp_layer_count, table_names, table_prefix, unused_tensors)
 from tandem_flashnext.ngram import MappedPart, NGramHash, RowTable, ngram_hashes
 
 __all__ = [
@@ -100,8 +100,8 @@ def _audit_tables(reader: SafetensorsCheckpoint, names: Mapping[str, str], cfg: 
 # -- opening and auditing ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Checkpoint:
-    """An audited checkpoint: its reader, the resolved layout (the MTP head's keys by their own names in
-    ``mtp_names``), the PLE tables' parts, its identity."""
+    """An audited checkpoint: its reader, the resolved layout (the MTP head's keys keep their own names), the
+    PLE tables' parts, its identity."""
 
     reader: SafetensorsCheckpoint
     layout: LayoutResult
@@ -109,15 +109,15 @@ class Checkpoint:
     tables: dict[int, list[str]]          # layer -> canonical names of its table's parts, in row order
     identity: str
     mtp_layers: int = 0                   # the MTP head's decoder layers (0: the checkpoint has none)
+    unused: tuple[str, ...] = ()          # tensors accepted but never read (layout.unused_tensors)
 
     @property
     def skipped(self) -> dict[str, int]:
-        """Keys nothing reads, by skipped prefix (the vision tower); the MTP head's are read by the head."""
-        return {k: n for k, n in self.layout.skipped.items() if k != MTP_PREFIX}
-
-    @property
-    def mtp_names(self) -> dict[str, str]:
-        return {k: k for k in self.reader.keys() if k.startswith(MTP_PREFIX)}
+        """Keys nothing reads, by skipped prefix (the vision tower) or by name (``unused``); the MTP head's
+        keys are read by the head."""
+        out = {k: n for k, n in self.layout.skipped.items() if k != MTP_PREFIX}
+        out.update({u: 1 for u in self.unused})
+        return out
 
 
 def weights_identity(reader: SafetensorsCheckpoint) -> str:
@@ -152,17 +152,20 @@ def open_checkpoint(directory: str | Path, cfg: FlashNextConfig) -> Checkpoint:
                          f"the config's mtp_num_hidden_layers is {cfg.mtp_num_hidden_layers}")
     expected = expected_tensors(cfg)
     expected_mtp = expected_mtp_tensors(cfg, mtp_layers) if mtp_keys else {}
-    audit(reader, {**expected, **expected_mtp}, {**layout.names, **{k: k for k in mtp_keys}})
+    names = {**layout.names, **{k: k for k in mtp_keys}}
+    unused = {k: e for k, e in unused_tensors(cfg).items() if k in names}
+    audit(reader, {**expected, **expected_mtp, **unused}, names)
     tables = _audit_tables(reader, layout.names, cfg, ngram_hashes(cfg))
-    known = set(expected) | {n for parts in tables.values() for n in parts}
+    known = set(expected) | set(unused) | {n for parts in tables.values() for n in parts}
     known |= {table_prefix(layer) + b for layer in tables for b in HASH_BUFFERS}
-    unknown = sorted(set(layout.names) - known) + sorted(set(mtp_keys) - set(expected_mtp))
+    unknown = sorted(set(layout.names) - known) + sorted(set(mtp_keys) - set(expected_mtp) - set(unused))
     if unknown:
         key = layout.names.get(unknown[0], unknown[0])
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise AuditError(f"checkpoint {reader.dir}: tensor {key!r} is not one the qwen4_exp model reads{more}; "
                          f"its config does not describe this checkpoint")
-    return Checkpoint(reader, layout, expected, tables, weights_identity(reader), mtp_layers)
+    return Checkpoint(reader, layout, expected, tables, weights_identity(reader), mtp_layers,
+                      tuple(sorted(names[k] for k in unused)))
 
 
 # -- the loaded weights ------------------------------------------------------------------------------
