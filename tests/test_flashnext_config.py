@@ -11,6 +11,41 @@ from conftest_flashnext import EOS, flashnext_ckpts  # noqa: F401  (fixture)
 
 from tandem_core.checkpoint.config import ConfigError
 from tandem_flashnext.config import TEXT_POLICY, read_config
+from tandem_flashnext.ngram import ngram_hashes
+
+# The published Qwen3.8-Flash-Next text_config's field set and values (the FP8 release's config.json, its
+# quantization_config left out: no FP8 weight format is registered), wrapped as the vision-language checkpoint.
+FLASH_NEXT = {
+    "architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+    "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054, "tie_word_embeddings": False, "transformers_version": "5.24.0",
+    "vision_config": {"depth": 27, "hidden_size": 1152, "model_type": "qwen4_exp_vision", "out_hidden_size": 2560},
+    "text_config": {
+        "model_type": "qwen4_exp_text", "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 248044, "eos_token_id": 248044, "dtype": "bfloat16",
+        "full_attention_interval": 4, "hc_count": 4, "hc_lowrank": 320, "head_dim": 256,
+        "heads_per_ngram": 8, "hidden_act": "silu", "hidden_size": 2560,
+        "indexer_budget": 2048, "indexer_compress_ratio": 4, "indexer_head_dim": 128,
+        "indexer_kv_heads": 1, "indexer_n_heads": 4, "initializer_range": 0.02,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "linear_value_head_dim": 128,
+        "make_ngram_vocab_size_divisible_by": 128, "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 262144, "moe_intermediate_size": 640,
+        "mtp": {"hybrid": True, "layer_types": ["full_attention"], "mtp_use_hidden_state_from_layer": None,
+                "num_hidden_layers": 1, "rope_theta": 10000000},
+        "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+        "ngram_size": 3, "ngram_vocab_size_base": 20000000, "num_attention_heads": 24,
+        "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+        "num_key_value_heads": 2, "output_gate_type": "sigmoid", "output_router_logits": False,
+        "pad_token_id": None, "partial_rotary_factor": 0.25, "ple_conv_kernel_size": 4,
+        "ple_embed_dim": 2560, "ple_layer_ids": [2], "rms_norm_eps": 1e-06,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                            "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 640,
+        "split_ngram_parts": 128, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 248320,
+    },
+}
 
 
 def test_both_wrappers_read_to_the_same_config(flashnext_ckpts):
@@ -29,6 +64,40 @@ def test_both_wrappers_read_to_the_same_config(flashnext_ckpts):
     assert text.ple_conv_tail == 3 * 3 and text.block_topk == 2 and text.rotary_dim == 8
     assert text.output_gate == "silu" and read_config(flashnext_ckpts.sigmoid.raw_config).output_gate == "sigmoid"
     assert text.eos_token_id == EOS
+
+
+def test_the_published_field_set_reads_and_derives_the_stored_hash_buffers():
+    cfg = read_config(FLASH_NEXT)
+    assert cfg.num_hidden_layers == 48 and len(cfg.linear_layers) == 36 and len(cfg.attention_layers) == 12
+    assert cfg.rotary_dim == 64 and cfg.rope_theta == 1e7 and cfg.block_topk == 512 and cfg.hc_dim == 10240
+    assert cfg.output_gate == "sigmoid" and cfg.mtp_num_hidden_layers == 1 and cfg.ple_slot(1) == 0
+    assert cfg.ngram_heads == 16 and cfg.ngram_head_dim == 160
+    (h,) = ngram_hashes(cfg)
+    # the release's stored ngram_heads_vocab_sizes, offsets and layer_multipliers
+    assert h.sizes == (20000003, 20000023, 20000033, 20000047, 20000059, 20000063, 20000069, 20000077,
+                       20000081, 20000093, 20000107, 20000147, 20000153, 20000159, 20000161, 20000171)
+    assert h.offsets[1] == 20000003 and h.offsets[-1] == sum(h.sizes[:-1])
+    assert h.multipliers == (23703573157769, 20109073645365, 8052911324071)
+    assert h.rows == 320001536                        # 95.4 GiB of bf16 rows of 160
+
+
+@pytest.mark.parametrize("path, value, named", [
+    (("mtp", "num_hidden_layers"), 2, "'mtp.num_hidden_layers' = 2 disagrees with mtp_num_hidden_layers = 1"),
+    (("mtp", "layer_types"), ["linear_attention"], "'mtp.layer_types'"),
+    (("mtp", "rope_theta"), 10000, "'mtp.rope_theta' = 10000 differs"),
+    (("mtp", "hybrid"), False, "mtp: field 'hybrid' = False is fixed"),
+    (("full_attention_interval",), 3, "'full_attention_interval' = 3 disagrees with layer_types"),
+    (("mamba_ssm_dtype",), "bfloat16", "'mamba_ssm_dtype' = 'bfloat16' is fixed"),
+    (("quantization_config",), {"quant_method": "fp8"}, "unknown field 'quantization_config'"),
+])
+def test_a_published_field_with_another_value_is_named(path, value, named):
+    raw = copy.deepcopy(FLASH_NEXT)
+    node = raw["text_config"]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        read_config(raw)
 
 
 def test_every_field_transformers_writes_has_a_policy(flashnext_ckpts):

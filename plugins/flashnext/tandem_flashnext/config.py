@@ -26,7 +26,8 @@ from typing import Any, Mapping
 
 from tandem_core.checkpoint.config import ConfigError, FieldPolicy, read_strict, split_text_config
 
-__all__ = ["FlashNextConfig", "read_config", "TEXT_POLICY", "OUTER_POLICY", "ROPE_POLICY", "LINEAR", "INDEXED"]
+__all__ = ["FlashNextConfig", "read_config", "TEXT_POLICY", "OUTER_POLICY", "ROPE_POLICY", "MTP_POLICY", "LINEAR",
+           "INDEXED"]
 
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
@@ -49,8 +50,8 @@ TEXT_POLICY = FieldPolicy(
         "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by", "seed", "split_ngram_parts",
         # QSA, the indexer of the attention layers
         "indexer_n_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio",
-        # the MTP head's decoder layers (the mtp.* tensors; tandem_flashnext.mtp)
-        "mtp_num_hidden_layers",
+        # the MTP head's decoder layers (the mtp.* tensors; tandem_flashnext.mtp), and its sub-config
+        "mtp_num_hidden_layers", "mtp",
     ),
     ignored=(
         "architectures", "transformers_version", "dtype", "torch_dtype", "initializer_range", "use_cache",
@@ -65,7 +66,14 @@ TEXT_POLICY = FieldPolicy(
         "norm_topk_prob": True,              # the top-k routing weights are renormalised to sum to 1
         "indexer_kv_heads": (1, None),       # QSA pools one key head (transformers refuses another)
         "mtp_use_dedicated_embeddings": (False, None),   # the MTP head reads the target's embedding
+        "mamba_ssm_dtype": "float32",        # the recurrent state is held in fp32
     },
+)
+
+# the published checkpoint's "mtp" sub-config (Qwen3.8-Flash-Next): one full-attention (QSA) layer
+MTP_POLICY = FieldPolicy(
+    read=("num_hidden_layers", "layer_types", "rope_theta"),
+    fixed={"hybrid": True, "mtp_use_hidden_state_from_layer": None},
 )
 
 OUTER_POLICY = FieldPolicy(
@@ -73,6 +81,9 @@ OUTER_POLICY = FieldPolicy(
     ignored=(
         "architectures", "transformers_version", "dtype", "torch_dtype", "vision_config",
         "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+        # a copy of text_config's (vLLM's Qwen4ExpConfig drops it there too; the table shards are counted
+        # by the text model's)
+        "split_ngram_parts",
     ),
     fixed={"model_type": "qwen4_exp"},
 )
@@ -233,7 +244,37 @@ def _layer_types(text: Mapping[str, Any], n_layers: int, where: str) -> tuple[st
     for i, t in enumerate(types):
         if t not in _KINDS:
             raise ConfigError(f"{where}: field 'layer_types'[{i}] = {t!r} is not one of {list(_KINDS)}")
-    return tuple(LINEAR if t == LINEAR else INDEXED for t in types)
+    out = tuple(LINEAR if t == LINEAR else INDEXED for t in types)
+    interval = text.get("full_attention_interval")
+    if interval is not None and out != tuple(LINEAR if (i + 1) % _int(text, "full_attention_interval", where)
+                                             else INDEXED for i in range(n_layers)):
+        raise ConfigError(f"{where}: field 'full_attention_interval' = {interval!r} disagrees with layer_types")
+    return out
+
+
+def _mtp(text: Mapping[str, Any], where: str, theta: float) -> int | None:
+    """The MTP head's layer count as the config gives it (``mtp_num_hidden_layers`` and/or the ``mtp``
+    sub-config, which must agree and describe full-attention layers at the target's rope), or None."""
+    count = None if text.get("mtp_num_hidden_layers") is None else \
+        _int(text, "mtp_num_hidden_layers", where, zero=True)
+    sub = text.get("mtp")
+    if sub is None:
+        return count
+    if not isinstance(sub, Mapping):
+        raise ConfigError(f"{where}: field 'mtp' = {sub!r} is not a mapping")
+    mtp = read_strict(sub, MTP_POLICY, f"{where} mtp")
+    n = _int(mtp, "num_hidden_layers", f"{where} mtp", default=count if count is not None else 1, zero=True)
+    if count is not None and n != count:
+        raise ConfigError(f"{where}: field 'mtp.num_hidden_layers' = {n} disagrees with mtp_num_hidden_layers "
+                          f"= {count}")
+    kinds = mtp.get("layer_types", ["full_attention"] * n)
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != n or any(k != "full_attention" for k in kinds):
+        raise ConfigError(f"{where}: field 'mtp.layer_types' = {kinds!r}: the MTP head's layers are "
+                          f"full_attention (QSA) layers, one each")
+    if "rope_theta" in mtp and float(mtp["rope_theta"]) != theta:
+        raise ConfigError(f"{where}: field 'mtp.rope_theta' = {mtp['rope_theta']!r} differs from the target's "
+                          f"{theta!r} (the head rotates at the target's positions)")
+    return n
 
 
 def _rope(text: Mapping[str, Any], where: str) -> tuple[float, float]:
@@ -390,6 +431,5 @@ def read_config(raw: Mapping[str, Any]) -> FlashNextConfig:
         eos_token_ids=eos,
         bos_token_id=(_ids(text.get("bos_token_id"), "bos_token_id", where) or (None,))[0],
         pad_token_id=(_ids(text.get("pad_token_id"), "pad_token_id", where) or (None,))[0],
-        mtp_num_hidden_layers=(None if text.get("mtp_num_hidden_layers") is None
-                               else _int(text, "mtp_num_hidden_layers", where, zero=True)),
+        mtp_num_hidden_layers=_mtp(text, where, theta),
     )
