@@ -1,4 +1,4 @@
-"""Tiny Flash-Next (``qwen4_exp``) checkpoints written by transformers 5.24.0, for the flashnext plugin's tests.
+"""Tiny Flash-Next (``qwen4_exp``) checkpoints written by transformers 5.24.0, for the flashnext tests.
 
 ``flashnext_ckpts`` (session scope) builds, once per test session:
 
@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest_qwen38 import rerandomise, write_tokenizer
+from conftest_qwen38 import TinyCheckpoint, rerandomise, save_tiny, wrap_text
 from mtp_reference import add_head, reference_head
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,8 @@ if str(PLUGIN_SRC) not in sys.path:  # the plugin's source tree, whether or not 
 EOS = 317
 TEXT = dict(
     vocab_size=320, hidden_size=64, num_hidden_layers=5,
-    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention",
+                 "full_attention"],
     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
     linear_conv_kernel_dim=4, max_position_embeddings=1024, rms_norm_eps=1e-6,
@@ -63,13 +64,6 @@ SEED = 4321
 
 
 @dataclass
-class TinyCheckpoint:
-    path: Path
-    model: Any           # the transformers model, fp32, eval mode
-    raw_config: dict
-
-
-@dataclass
 class TinyCheckpoints:
     text: TinyCheckpoint
     vl: TinyCheckpoint
@@ -85,9 +79,7 @@ def build_text(path: Path, seed: int = SEED, **overrides: Any) -> TinyCheckpoint
     model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**{**TEXT, **overrides})).float().eval()
     rerandomise(model, seed)
     model.generation_config.eos_token_id = None        # generate the full count (eos is in the vocabulary)
-    model.save_pretrained(path)
-    write_tokenizer(path, model.config.vocab_size)
-    return TinyCheckpoint(path, model, json.loads((path / "config.json").read_text()))
+    return save_tiny(path, model, model.config.vocab_size)
 
 
 def build_vl(path: Path, text_model: Any, seed: int = SEED) -> TinyCheckpoint:
@@ -96,14 +88,7 @@ def build_vl(path: Path, text_model: Any, seed: int = SEED) -> TinyCheckpoint:
 
     torch.manual_seed(seed)
     model = Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=dict(TEXT), vision_config=VISION))
-    model = model.float().eval()
-    rerandomise(model, seed + 1)
-    with torch.no_grad():
-        model.model.language_model.load_state_dict(text_model.model.state_dict())
-        model.lm_head.weight.copy_(text_model.lm_head.weight)
-    model.save_pretrained(path)
-    write_tokenizer(path, model.config.text_config.vocab_size)
-    return TinyCheckpoint(path, model, json.loads((path / "config.json").read_text()))
+    return wrap_text(path, model, text_model, seed)
 
 
 @pytest.fixture(scope="session")
@@ -119,14 +104,33 @@ def flashnext_ckpts(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints
     return TinyCheckpoints(text, vl, sigmoid, mtp, head)
 
 
-def load_model(path: Path, *, dtype: str = "fp32", max_context: int = 256, gdn_chunk: int = 64):
-    """Config -> audit -> weights -> model, the way ``serve`` does it (no tokenizer)."""
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny model's tensors are far below ATen's grain: one thread changes no arithmetic, and keeps the
+    many small calls fast on a busy 2-core runner. A module uses it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def open_dir(path: Path):
+    """(config, audited checkpoint) of a checkpoint directory."""
     from tandem_flashnext.config import read_config
-    from tandem_flashnext.model import FlashNextModel
-    from tandem_flashnext.weights import load_weights, open_checkpoint
+    from tandem_flashnext.weights import open_checkpoint
 
     cfg = read_config(json.loads((path / "config.json").read_text()))
-    weights = load_weights(open_checkpoint(path, cfg), cfg, dtype)
+    return cfg, open_checkpoint(path, cfg)
+
+
+def load_model(path: Path, *, dtype: str = "fp32", max_context: int = 256, gdn_chunk: int = 64):
+    """Config -> audit -> weights -> model, the way ``serve`` does it (no tokenizer)."""
+    from tandem_flashnext.model import FlashNextModel
+    from tandem_flashnext.weights import load_weights
+
+    cfg, ckpt = open_dir(path)
+    weights = load_weights(ckpt, cfg, dtype)
     return FlashNextModel(cfg, weights, max_context=max_context, gdn_chunk=gdn_chunk)
 
 

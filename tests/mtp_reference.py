@@ -1,4 +1,4 @@
-"""Flash-Next's MTP head: its reference forward, written from the published design on transformers' own modules.
+"""Flash-Next's MTP head: its reference forward, from the published design on transformers' own modules.
 
 transformers drops ``mtp.*`` (``_keys_to_ignore_on_load_unexpected``), so there is no reference to load. The
 published design is vLLM's qwen4_exp MTP (``Qwen4ExpMultiTokenPredictor``; the Qwen3-Next / Qwen3.5 MTP
@@ -29,7 +29,8 @@ from conftest_qwen38 import rerandomise
 
 
 class RefMTP(nn.Module):
-    """``forward(next_tokens [T], streams [T, n*H])`` over positions ``0 .. T-1`` -> (hidden, streams, logits)."""
+    """``forward(next_tokens [T], streams [T, n*H])`` over positions ``0 .. T-1`` -> (hidden, streams,
+    logits)."""
 
     def __init__(self, target, layers: int = 1) -> None:
         from transformers.models.qwen4_exp.modeling_qwen4_exp import (Qwen4ExpTextDecoderLayer,
@@ -69,7 +70,8 @@ class RefMTP(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for name, t in self.state_dict().items():
-            if ".mlp.experts." in name:                         # one module an expert, as save_pretrained writes
+            # one module an expert, as save_pretrained writes
+            if ".mlp.experts." in name:
                 base, kind = name.rsplit(".", 1)
                 for e in range(t.shape[0]):
                     if kind == "gate_up_proj":

@@ -1,4 +1,5 @@
-"""The qwen4_exp config reader on what transformers 5.24.0 writes, both wrappers, and every field it refuses."""
+"""The qwen4_exp config reader on what transformers 5.24.0 writes, both wrappers, the published field set,
+and every field it refuses."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from tandem_flashnext.config import TEXT_POLICY, read_config
 from tandem_flashnext.ngram import ngram_hashes
 
 # The published Qwen3.8-Flash-Next text_config's field set and values (the FP8 release's config.json, its
-# quantization_config left out: no FP8 weight format is registered), wrapped as the vision-language checkpoint.
+# quantization_config left out: no FP8 weight format is registered), wrapped as the vision-language
+# checkpoint.
 FLASH_NEXT = {
     "architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
     "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
     "vision_end_token_id": 248054, "tie_word_embeddings": False, "transformers_version": "5.24.0",
-    "vision_config": {"depth": 27, "hidden_size": 1152, "model_type": "qwen4_exp_vision", "out_hidden_size": 2560},
+    "vision_config": {"depth": 27, "hidden_size": 1152, "model_type": "qwen4_exp_vision",
+                      "out_hidden_size": 2560},
     "text_config": {
         "model_type": "qwen4_exp_text", "attention_bias": False, "attention_dropout": 0.0,
         "bos_token_id": 248044, "eos_token_id": 248044, "dtype": "bfloat16",
@@ -51,7 +54,8 @@ FLASH_NEXT = {
 def test_both_wrappers_read_to_the_same_config(flashnext_ckpts):
     text = read_config(flashnext_ckpts.text.raw_config)
     vl = read_config(flashnext_ckpts.vl.raw_config)
-    assert text.architecture == "Qwen4ExpForCausalLM" and vl.architecture == "Qwen4ExpForConditionalGeneration"
+    assert text.architecture == "Qwen4ExpForCausalLM"
+    assert vl.architecture == "Qwen4ExpForConditionalGeneration"
     assert dataclasses.replace(vl, architecture=text.architecture) == text
     # transformers writes "indexed_attention" for the config's "full_attention"
     assert flashnext_ckpts.text.raw_config["layer_types"][2] == "indexed_attention"
@@ -62,7 +66,8 @@ def test_both_wrappers_read_to_the_same_config(flashnext_ckpts):
     assert [text.ple_slot(i) for i in range(5)] == [None, 0, None, 1, None]
     assert text.hc_dim == 3 * 64 and text.ngram_heads == 4 and text.ngram_head_dim == 8
     assert text.ple_conv_tail == 3 * 3 and text.block_topk == 2 and text.rotary_dim == 8
-    assert text.output_gate == "silu" and read_config(flashnext_ckpts.sigmoid.raw_config).output_gate == "sigmoid"
+    assert text.output_gate == "silu"
+    assert read_config(flashnext_ckpts.sigmoid.raw_config).output_gate == "sigmoid"
     assert text.eos_token_id == EOS
 
 
@@ -146,7 +151,8 @@ def test_qsa_fields_come_all_or_none(flashnext_ckpts):
     with pytest.raises(ConfigError, match="'indexer_compress_ratio' is required with the other QSA fields"):
         read_config(raw)
     raw = text_raw(flashnext_ckpts)
-    for k in ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio"):
+    for k in ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
+              "indexer_compress_ratio"):
         del raw[k]
     with pytest.raises(ConfigError, match="'indexer_n_heads' is required: every attention layer"):
         read_config(raw)

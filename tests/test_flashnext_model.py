@@ -13,22 +13,15 @@ import dataclasses
 import pytest
 import torch
 
-from conftest_flashnext import flashnext_ckpts, load_model, per_position, prompt, rel_err  # noqa: F401
+from conftest_flashnext import (  # noqa: F401  (fixtures)
+    flashnext_ckpts, load_model, per_position, prompt, rel_err, one_thread)
 
 from tandem_flashnext.model import FlashNextModel
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = 70          # not a multiple of any chunk size used below; 70 >> the 8-token QSA budget
 WRAPPERS = ["text", "vl", "sigmoid"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's tensors are far below ATen's grain: one thread changes no arithmetic, and keeps the
-    many small calls fast on a busy 2-core runner."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

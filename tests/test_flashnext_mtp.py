@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest_flashnext import flashnext_ckpts, load_model, per_position, prompt, rel_err  # noqa: F401
+from conftest_flashnext import (  # noqa: F401  (fixtures)
+    flashnext_ckpts, load_model, one_thread, open_dir, per_position, prompt, rel_err)
 from mtp_reference import target_streams
 
 from tandem_core.checkpoint.audit import AuditError
@@ -22,38 +23,27 @@ from tandem_flashnext.mtp import MTPHead, load_mtp
 from tandem_flashnext.steps import tree_step
 from tandem_flashnext.weights import load_weights, open_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 T = 40               # positions: five times the QSA budget, so the head's own selection matters
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def opened(path):
-    cfg = read_config(json.loads((path / "config.json").read_text()))
-    return cfg, open_checkpoint(path, cfg)
 
 
 @pytest.fixture(scope="module")
 def head(flashnext_ckpts):
-    cfg, ckpt = opened(flashnext_ckpts.mtp.path)
+    cfg, ckpt = open_dir(flashnext_ckpts.mtp.path)
     assert ckpt.mtp_layers == 1 and ckpt.skipped == {}
     return MTPHead(cfg, load_weights(ckpt, cfg), load_mtp(ckpt, cfg), max_context=128)
 
 
 @pytest.fixture(scope="module")
 def inputs(flashnext_ckpts):
-    """The target's streams s_0..s_{T-1} before its final mixer (transformers') and the next tokens x_1..x_T."""
+    """The target's streams s_0..s_{T-1} before its final mixer (transformers') and the tokens x_0..x_T."""
     ids = prompt(T + 1, seed=13)
     return ids, target_streams(flashnext_ckpts.text.model, ids[:T])
 
 
 def test_a_checkpoint_without_a_head_has_none(flashnext_ckpts):
-    cfg, ckpt = opened(flashnext_ckpts.text.path)
+    cfg, ckpt = open_dir(flashnext_ckpts.text.path)
     assert ckpt.mtp_layers == 0 and load_mtp(ckpt, cfg) is None
 
 
@@ -97,7 +87,8 @@ def test_a_chained_draft_equals_the_reference_fed_its_own_outputs(flashnext_ckpt
     draft = head.draft(int(ids[T]), streams[T - 1], T - 1, depth=4)
     assert draft.tokens.shape == draft.probs.shape == (4, 2)
     tokens, states = ids[1:].clone(), streams.clone()
-    for k in range(4):                                   # the reference over the whole sequence, one depth longer
+    # the reference over the whole sequence, one depth longer
+    for k in range(4):
         _, ref_s, ref_logits = flashnext_ckpts.head(tokens, states)
         top = torch.softmax(ref_logits[-1], dim=-1).topk(2)
         assert draft.tokens[k].tolist() == top.indices.tolist(), f"depth {k}"
@@ -135,7 +126,8 @@ def edit(path, key, value) -> None:
     ("mtp.pre_fc_norm_hidden.weight", torch.zeros(64),
      r"tensor 'mtp\.pre_fc_norm_hidden\.weight' has shape \[64\], the config needs \[192\]"),
     ("mtp.layers.0.self_attn.q_proj.weight", torch.zeros(128, 64),
-     r"tensor 'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape \[128, 64\], the config needs \[256, 64\]"),
+     r"tensor 'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape \[128, 64\], "
+     r"the config needs \[256, 64\]"),
     ("mtp.layers.0.mlp.experts.3.down_proj.weight", None,
      r"missing tensor 'mtp\.layers\.0\.mlp\.experts\.3\.down_proj\.weight'"),
     ("mtp.fc.weight", torch.zeros(64, 128), r"tensor 'mtp\.fc\.weight' is not one the qwen4_exp model reads"),
@@ -145,18 +137,19 @@ def edit(path, key, value) -> None:
 def test_a_malformed_head_is_refused_by_name(mtp_copy, key, value, named):
     edit(mtp_copy, key, value)
     with pytest.raises(AuditError, match=named):
-        opened(mtp_copy)
+        open_dir(mtp_copy)
 
 
 def test_a_final_mixers_unused_inject_weight_is_counted_and_its_shape_checked(mtp_copy):
     edit(mtp_copy, "mtp.hyper_connection_mixer.block_inject_weight.weight", torch.zeros(3, 192))
     edit(mtp_copy, "model.hyper_connection_mixer.block_inject_weight.weight", torch.zeros(3, 192))
-    _, ckpt = opened(mtp_copy)
+    _, ckpt = open_dir(mtp_copy)
     assert ckpt.skipped == {"mtp.hyper_connection_mixer.block_inject_weight.weight": 1,
                             "model.hyper_connection_mixer.block_inject_weight.weight": 1}
     edit(mtp_copy, "mtp.hyper_connection_mixer.block_inject_weight.weight", torch.zeros(4, 192))
-    with pytest.raises(AuditError, match=r"'mtp\.hyper_connection_mixer\.block_inject_weight\.weight' has shape"):
-        opened(mtp_copy)
+    named = r"'mtp\.hyper_connection_mixer\.block_inject_weight\.weight' has shape"
+    with pytest.raises(AuditError, match=named):
+        open_dir(mtp_copy)
 
 
 def test_a_head_the_config_counts_otherwise_is_refused(mtp_copy):

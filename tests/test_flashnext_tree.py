@@ -16,22 +16,17 @@ import random
 import pytest
 import torch
 
-from conftest_flashnext import EOS, flashnext_ckpts, load_model, prompt  # noqa: F401  (fixture)
+from conftest_flashnext import (  # noqa: F401  (fixtures)
+    EOS, flashnext_ckpts, load_model, prompt, one_thread)
 
 from tandem_core import ops
 from tandem_flashnext.blocks import moe
 from tandem_flashnext.model import FlashNextModel
 from tandem_flashnext.steps import tree_step
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 START = 37           # tokens committed before each tree: 9 complete QSA blocks and one token
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +119,8 @@ def test_commit_leaves_the_state_decode_leaves_and_replay_redoes_it(model):
     tokens = torch.tensor([rng.randrange(320) for _ in parents])
     tokens[[2, 15]] = EOS
     base = Snapshot(model, START)
-    path = path_to(parents, 13)                                               # 14 tokens: past the 9-token window
+    # 14 tokens: past the 9-token window
+    path = path_to(parents, 13)
     tree = tree_step(START, parents)
     model.verify(tokens, tree)
     kept = model.commit(tree, path)
@@ -160,7 +156,7 @@ def test_a_commit_needs_the_last_verified_tree(model):
 
 
 def test_an_expert_row_does_not_depend_on_the_rows_sharing_it(model):
-    """Rows routed to one expert are computed as if each were alone: the same bits in a group of 1 and of 6."""
+    """Rows routed to one expert are computed as if each were alone: the same bits in groups of 1 and 6."""
     rows_op = ops.get("linear_rows")
     op = {name: ops.get(name) for name in ("softmax", "silu", "sigmoid")}
     w = model.w.layers[0].moe

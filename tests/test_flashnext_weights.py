@@ -4,34 +4,19 @@ the PLE tables memory-mapped, never read whole."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest_flashnext import flashnext_ckpts  # noqa: F401  (fixture)
+from conftest_flashnext import flashnext_ckpts, open_dir  # noqa: F401  (fixture)
 
 from tandem_core.checkpoint.audit import AuditError
-from tandem_flashnext.config import read_config
+from tandem_core.checkpoint.safetensors import SafetensorsCheckpoint
 from tandem_flashnext.ngram import ngram_hashes
 from tandem_flashnext.layout import expected_tensors
-from tandem_flashnext.weights import load_weights, open_checkpoint
-
-
-def keys_of(path) -> list[str]:
-    out = []
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            out.extend(st.keys())
-    return out
-
-
-def opened(path):
-    cfg = read_config(json.loads((path / "config.json").read_text()))
-    return cfg, open_checkpoint(path, cfg)
+from tandem_flashnext.weights import load_weights
 
 
 @pytest.fixture
@@ -48,21 +33,24 @@ def rewrite(path, edit) -> None:
 
 
 def test_vision_keys_are_skipped_and_counted_and_both_wrappers_read_alike(flashnext_ckpts):
-    vision = [k for k in keys_of(flashnext_ckpts.vl.path) if k.startswith("model.visual.")]
+    keys = SafetensorsCheckpoint(flashnext_ckpts.vl.path).keys()
+    vision = [k for k in keys if k.startswith("model.visual.")]
     assert vision, "the tiny vision-language checkpoint has a vision tower"
-    cfg, vl = opened(flashnext_ckpts.vl.path)
-    _, text = opened(flashnext_ckpts.text.path)
+    cfg, vl = open_dir(flashnext_ckpts.vl.path)
+    _, text = open_dir(flashnext_ckpts.text.path)
     assert vl.skipped == {"model.visual.": len(vision)} and text.skipped == {}
     assert set(vl.layout.names) == set(text.layout.names)
     assert set(expected_tensors(cfg)) < set(text.layout.names)
     name = "layers.3.mlp.experts.5.down_proj.weight"
-    assert vl.layout.names[name] == "model.language_model." + name and text.layout.names[name] == "model." + name
+    assert vl.layout.names[name] == "model.language_model." + name
+    assert text.layout.names[name] == "model." + name
 
 
 def test_the_ple_tables_are_read_from_their_uneven_shards(flashnext_ckpts):
-    cfg, ckpt = opened(flashnext_ckpts.text.path)
+    cfg, ckpt = open_dir(flashnext_ckpts.text.path)
     hashes = ngram_hashes(cfg)
-    assert [h.rows for h in hashes] == [240, 312]          # primes from 50: 53+59+61+67, 71+73+79+83 padded to 8
+    # primes from 50: 53+59+61+67, 71+73+79+83 padded to 8
+    assert [h.rows for h in hashes] == [240, 312]
     assert sorted(ckpt.tables) == [1, 3]
     assert len(ckpt.tables[3]) == 5                        # torch.chunk of 312 rows in 5: 63, 63, 63, 63, 60
     rows = [ckpt.reader.info(ckpt.layout.names[n]).shape[0] for n in ckpt.tables[3]]
@@ -74,7 +62,7 @@ def test_the_ple_tables_are_read_from_their_uneven_shards(flashnext_ckpts):
 
 
 def test_load_maps_the_tables_and_counts_every_parameter(flashnext_ckpts, monkeypatch):
-    cfg, ckpt = opened(flashnext_ckpts.text.path)
+    cfg, ckpt = open_dir(flashnext_ckpts.text.path)
     tables = {ckpt.layout.names[n] for parts in ckpt.tables.values() for n in parts}
     real_get = ckpt.reader.get
 
@@ -98,7 +86,8 @@ def test_load_maps_the_tables_and_counts_every_parameter(flashnext_ckpts, monkey
      r"missing tensor 'layers\.2\.mlp\.experts\.4\.up_proj\.weight'"),
     (lambda t: t.update({"model.layers.4.self_attn.indexer.index_qk_proj.weight":
                          t["model.layers.4.self_attn.indexer.index_qk_proj.weight"][:32]}),
-     r"'model\.layers\.4\.self_attn\.indexer\.index_qk_proj\.weight' has shape \[32, 64\], the config needs \[48, 64\]"),
+     r"'model\.layers\.4\.self_attn\.indexer\.index_qk_proj\.weight' has shape \[32, 64\], "
+     r"the config needs \[48, 64\]"),
     (lambda t: t.update({"model.layers.0.mlp.experts.6.up_proj.weight":
                          t["model.layers.0.mlp.experts.5.up_proj.weight"].clone()}),
      r"tensor 'model\.layers\.0\.mlp\.experts\.6\.up_proj\.weight' is not one the qwen4_exp model reads"),
@@ -113,7 +102,7 @@ def test_load_maps_the_tables_and_counts_every_parameter(flashnext_ckpts, monkey
 def test_a_broken_checkpoint_is_refused_by_name(text_copy, edit, named):
     rewrite(text_copy, edit)
     with pytest.raises(AuditError, match=named):
-        opened(text_copy)
+        open_dir(text_copy)
 
 
 def test_an_unsplit_table_reads_as_its_shards(text_copy, flashnext_ckpts):
@@ -123,7 +112,7 @@ def test_an_unsplit_table_reads_as_its_shards(text_copy, flashnext_ckpts):
         t[pre + "weight"] = torch.cat(parts)
 
     rewrite(text_copy, join)
-    cfg, ckpt = opened(text_copy)
+    cfg, ckpt = open_dir(text_copy)
     assert ckpt.tables[1] == ["layers.1.ple.ple_embedding.ngram_embedding.weight"]
     w = load_weights(ckpt, cfg)
     ref = flashnext_ckpts.text.model.model.layers[1].ple.ple_embedding.ngram_embedding.weight

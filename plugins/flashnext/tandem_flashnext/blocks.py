@@ -21,7 +21,8 @@ from tandem_flashnext.config import FlashNextConfig
 from tandem_flashnext.steps import MatMul, TreeStep
 from tandem_flashnext.weights import ExpertWeights, GDNWeights, HyperWeights, LayerWeights, MoEWeights
 
-__all__ = ["hyper_mix", "hyper_inject", "stream_norm", "decoder_block", "RuleRows", "gated_deltanet", "moe", "route"]
+__all__ = ["hyper_mix", "hyper_inject", "stream_norm", "decoder_block", "RuleRows", "gated_deltanet", "moe",
+           "route"]
 
 Ops = dict[str, Callable[..., Any]]
 
@@ -144,7 +145,8 @@ def gated_deltanet(op: Ops, mm: MatMul, x: torch.Tensor, w: GDNWeights, cfg: Fla
 
 
 # -- the mixture of experts --------------------------------------------------------------------------
-def route(op: Ops, mm: MatMul, x: torch.Tensor, w: MoEWeights, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(op: Ops, mm: MatMul, x: torch.Tensor, w: MoEWeights,
+          top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over every expert, the top ``top_k``, renormalised: ``(weights [T, k] in x's dtype,
     experts [T, k] int64)``."""
     probs = op["softmax"](mm(w.router, x))                                     # probs: [T, E] fp32

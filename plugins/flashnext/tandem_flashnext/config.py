@@ -26,8 +26,8 @@ from typing import Any, Mapping
 
 from tandem_core.checkpoint.config import ConfigError, FieldPolicy, read_strict, split_text_config
 
-__all__ = ["FlashNextConfig", "read_config", "TEXT_POLICY", "OUTER_POLICY", "ROPE_POLICY", "MTP_POLICY", "LINEAR",
-           "INDEXED"]
+__all__ = ["FlashNextConfig", "read_config", "TEXT_POLICY", "OUTER_POLICY", "ROPE_POLICY", "MTP_POLICY",
+           "LINEAR", "INDEXED"]
 
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
@@ -220,8 +220,8 @@ def _int(text: Mapping[str, Any], key: str, where: str, default: Any = None, *, 
     if value is None:
         raise ConfigError(f"{where}: field {key!r} is required")
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
-        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a {'non-negative' if zero else 'positive'} "
-                          f"integer")
+        kind = "non-negative" if zero else "positive"
+        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a {kind} integer")
     return value
 
 
@@ -240,7 +240,8 @@ def _layer_types(text: Mapping[str, Any], n_layers: int, where: str) -> tuple[st
         interval = _int(text, "full_attention_interval", where, default=4)
         return tuple(LINEAR if (i + 1) % interval else INDEXED for i in range(n_layers))
     if not isinstance(types, (list, tuple)) or len(types) != n_layers:
-        raise ConfigError(f"{where}: field 'layer_types' must list one type for each of the {n_layers} layers")
+        raise ConfigError(f"{where}: field 'layer_types' must list one type for each of the {n_layers} "
+                          f"layers")
     for i, t in enumerate(types):
         if t not in _KINDS:
             raise ConfigError(f"{where}: field 'layer_types'[{i}] = {t!r} is not one of {list(_KINDS)}")
@@ -248,7 +249,8 @@ def _layer_types(text: Mapping[str, Any], n_layers: int, where: str) -> tuple[st
     interval = text.get("full_attention_interval")
     if interval is not None and out != tuple(LINEAR if (i + 1) % _int(text, "full_attention_interval", where)
                                              else INDEXED for i in range(n_layers)):
-        raise ConfigError(f"{where}: field 'full_attention_interval' = {interval!r} disagrees with layer_types")
+        raise ConfigError(f"{where}: field 'full_attention_interval' = {interval!r} disagrees with "
+                          f"layer_types")
     return out
 
 
@@ -265,15 +267,15 @@ def _mtp(text: Mapping[str, Any], where: str, theta: float) -> int | None:
     mtp = read_strict(sub, MTP_POLICY, f"{where} mtp")
     n = _int(mtp, "num_hidden_layers", f"{where} mtp", default=count if count is not None else 1, zero=True)
     if count is not None and n != count:
-        raise ConfigError(f"{where}: field 'mtp.num_hidden_layers' = {n} disagrees with mtp_num_hidden_layers "
-                          f"= {count}")
+        raise ConfigError(f"{where}: field 'mtp.num_hidden_layers' = {n} disagrees with "
+                          f"mtp_num_hidden_layers = {count}")
     kinds = mtp.get("layer_types", ["full_attention"] * n)
     if not isinstance(kinds, (list, tuple)) or len(kinds) != n or any(k != "full_attention" for k in kinds):
         raise ConfigError(f"{where}: field 'mtp.layer_types' = {kinds!r}: the MTP head's layers are "
                           f"full_attention (QSA) layers, one each")
     if "rope_theta" in mtp and float(mtp["rope_theta"]) != theta:
-        raise ConfigError(f"{where}: field 'mtp.rope_theta' = {mtp['rope_theta']!r} differs from the target's "
-                          f"{theta!r} (the head rotates at the target's positions)")
+        raise ConfigError(f"{where}: field 'mtp.rope_theta' = {mtp['rope_theta']!r} differs from the "
+                          f"target's {theta!r} (the head rotates at the target's positions)")
     return n
 
 
@@ -291,15 +293,16 @@ def _rope(text: Mapping[str, Any], where: str) -> tuple[float, float]:
     return theta, partial
 
 
-def _qsa(text: Mapping[str, Any], kv_heads: Any, where: str, has_attention: bool, rotary: int) -> dict[str, int]:
+def _qsa(text: Mapping[str, Any], kv_heads: Any, where: str, has_attention: bool,
+         rotary: int) -> dict[str, int]:
     # indexer_kv_heads is FIXED (read_strict checked its value), the others READ: all five or none
     given = {k: text.get(k) for k in _QSA if text.get(k) is not None}
     if kv_heads is not None:
         given["indexer_kv_heads"] = kv_heads
     if not given:
         if has_attention:
-            raise ConfigError(f"{where}: field 'indexer_n_heads' is required: every attention layer of qwen4_exp "
-                              f"is a QSA indexed attention layer")
+            raise ConfigError(f"{where}: field 'indexer_n_heads' is required: every attention layer of "
+                              f"qwen4_exp is a QSA indexed attention layer")
         return {"indexer_n_heads": 0, "indexer_head_dim": 0, "indexer_budget": 0, "indexer_compress_ratio": 0}
     missing = [k for k in _QSA if k not in given]
     if missing:
@@ -310,8 +313,9 @@ def _qsa(text: Mapping[str, Any], kv_heads: Any, where: str, has_attention: bool
         raise ConfigError(f"{where}: field 'indexer_budget' = {out['indexer_budget']} is not a multiple of "
                           f"indexer_compress_ratio = {out['indexer_compress_ratio']}")
     if rotary > out["indexer_head_dim"]:
-        raise ConfigError(f"{where}: field 'indexer_head_dim' = {out['indexer_head_dim']} is smaller than the "
-                          f"attention's {rotary} rotary channels (the indexer's queries and keys are rotated too)")
+        raise ConfigError(f"{where}: field 'indexer_head_dim' = {out['indexer_head_dim']} is smaller than "
+                          f"the attention's {rotary} rotary channels (the indexer's queries and keys are "
+                          f"rotated too)")
     return out
 
 
@@ -329,7 +333,8 @@ def _ple(text: Mapping[str, Any], where: str, types: tuple[str, ...], hidden: in
         "ngram_size": _int(text, "ngram_size", where, default=3),
         "heads_per_ngram": _int(text, "heads_per_ngram", where, default=8),
         "ngram_vocab_size_base": _int(text, "ngram_vocab_size_base", where, default=20_000_000),
-        "make_ngram_vocab_size_divisible_by": _int(text, "make_ngram_vocab_size_divisible_by", where, default=128),
+        "make_ngram_vocab_size_divisible_by": _int(text, "make_ngram_vocab_size_divisible_by", where,
+                                                   default=128),
         "seed": _int(text, "seed", where, default=1234, zero=True),
         "split_ngram_parts": _int(text, "split_ngram_parts", where, default=512),
     }
@@ -344,11 +349,11 @@ def _ple(text: Mapping[str, Any], where: str, types: tuple[str, ...], hidden: in
             raise ConfigError(f"{where}: field 'ple_layer_ids' names layer {i}: ids are one-indexed, in "
                               f"[1, {len(types)}]")
         if types[i - 1] != LINEAR:
-            raise ConfigError(f"{where}: field 'ple_layer_ids' names layer {i}, a {types[i - 1]} layer: PLE is "
-                              f"only on linear_attention layers")
+            raise ConfigError(f"{where}: field 'ple_layer_ids' names layer {i}, a {types[i - 1]} layer: "
+                              f"PLE is only on linear_attention layers")
     if not eos:
-        raise ConfigError(f"{where}: field 'eos_token_id' is required when PLE layers are enabled (the n-gram "
-                          f"hashing starts a segment after it)")
+        raise ConfigError(f"{where}: field 'eos_token_id' is required when PLE layers are enabled (the "
+                          f"n-gram hashing starts a segment after it)")
     return out
 
 
@@ -379,8 +384,8 @@ def read_config(raw: Mapping[str, Any]) -> FlashNextConfig:
                           f"linear_num_key_heads = {k_heads}")
     rotary = int(head_dim * partial)
     if not 0 < partial <= 1 or rotary % 2 or rotary < 2:
-        raise ConfigError(f"{where}: field 'partial_rotary_factor' = {partial!r} gives {rotary} rotary channels "
-                          f"of head_dim {head_dim} (needs an even number, at least 2)")
+        raise ConfigError(f"{where}: field 'partial_rotary_factor' = {partial!r} gives {rotary} rotary "
+                          f"channels of head_dim {head_dim} (needs an even number, at least 2)")
     types = _layer_types(text, n_layers, where)
 
     gate = text.get("output_gate_type") or "silu"

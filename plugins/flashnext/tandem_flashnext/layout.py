@@ -33,7 +33,8 @@ from tandem_core.checkpoint.layout import Layout
 
 from tandem_flashnext.config import FlashNextConfig
 
-__all__ = ["LAYOUT", "MTP_PREFIX", "unused_tensors", "HASH_BUFFERS", "expected_tensors", "expected_mtp_tensors",
+__all__ = ["LAYOUT", "MTP_PREFIX", "unused_tensors", "HASH_BUFFERS", "expected_tensors",
+           "expected_mtp_tensors",
            "mtp_layer_count", "table_names", "table_prefix"]
 
 HASH_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
@@ -49,7 +50,8 @@ LAYOUT = Layout(
 # -- what the config says the checkpoint holds ---------------------------------------------------
 def _hyper(cfg: FlashNextConfig, combine: bool) -> dict[str, tuple[int, ...]]:
     n, nh, r = cfg.hc_count, cfg.hc_dim, cfg.hc_lowrank
-    out = {"hc_norm.weight": (nh,), "input_mix_weight_down.weight": (r, nh), "input_mix_weight_up.weight": (nh, r)}
+    out = {"hc_norm.weight": (nh,), "input_mix_weight_down.weight": (r, nh),
+           "input_mix_weight_up.weight": (nh, r)}
     if combine:
         out["block_inject_weight.weight"] = (n, nh)
     return out
@@ -73,7 +75,8 @@ def _attention(cfg: FlashNextConfig) -> dict[str, tuple[int, ...]]:
         "q_proj.weight": (2 * q, H),   # each head's query, then its output gate
         "k_proj.weight": (kv, H), "v_proj.weight": (kv, H), "o_proj.weight": (H, q),
         "q_norm.weight": (D,), "k_norm.weight": (D,),
-        "indexer.index_qk_proj.weight": ((cfg.indexer_n_heads + 1) * Di, H),   # the heads' queries, then one key
+        # the heads' queries, then one key
+        "indexer.index_qk_proj.weight": ((cfg.indexer_n_heads + 1) * Di, H),
         "indexer.q_layernorm.weight": (Di,), "indexer.k_layernorm.weight": (Di,),
     }
 
@@ -92,7 +95,8 @@ def _moe(cfg: FlashNextConfig) -> dict[str, tuple[int, ...]]:
 def _ple(cfg: FlashNextConfig) -> dict[str, tuple[int, ...]]:
     nh, E = cfg.hc_dim, cfg.ple_embed_dim
     return {"key_proj.weight": (nh, E), "value_proj.weight": (cfg.hidden_size, E), "norm_key.weight": (nh,),
-            "norm_query.weight": (nh,), "norm_conv.weight": (nh,), "conv1d.weight": (nh, 1, cfg.ple_conv_kernel_size)}
+            "norm_query.weight": (nh,), "norm_conv.weight": (nh,),
+            "conv1d.weight": (nh, 1, cfg.ple_conv_kernel_size)}
 
 
 def expected_tensors(cfg: FlashNextConfig) -> dict[str, Expect]:
@@ -150,7 +154,8 @@ def mtp_layer_count(keys: Iterable[str]) -> int:
 
 
 def unused_tensors(cfg: FlashNextConfig) -> dict[str, Expect]:
-    """Name (canonical for the target, ``mtp.*`` for the head) -> shape, of tensors accepted but never read."""
+    """Name (canonical for the target, ``mtp.*`` for the head) -> shape, of the tensors accepted but never
+    read."""
     inject = Expect((cfg.hc_count, cfg.hc_dim))
     return {"hyper_connection_mixer.block_inject_weight.weight": inject,
             MTP_PREFIX + "hyper_connection_mixer.block_inject_weight.weight": inject}

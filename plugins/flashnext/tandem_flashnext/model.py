@@ -59,9 +59,9 @@ from tandem_flashnext.weights import AttentionWeights, FlashNextWeights, GDNWeig
 __all__ = ["FlashNextModel", "PathRows", "MODEL_OPS"]
 
 # the ops this model calls, resolved once per model for its device
-MODEL_OPS = ("rms_norm", "rms_norm_1p", "gated_rms_norm", "l2_norm", "causal_conv", "gdn_chunk", "gdn_recurrent",
-             "rope", "attention", "sigmoid", "silu", "softplus", "softmax", "linear_rows", "causal_conv_tree",
-             "gdn_tree")
+MODEL_OPS = ("rms_norm", "rms_norm_1p", "gated_rms_norm", "l2_norm", "causal_conv", "gdn_chunk",
+             "gdn_recurrent", "rope", "attention", "sigmoid", "silu", "softplus", "softmax", "linear_rows",
+             "causal_conv_tree", "gdn_tree")
 
 
 class PathRows(NamedTuple):
@@ -78,7 +78,8 @@ class PathRows(NamedTuple):
 
     def take(self, idx: torch.Tensor) -> "PathRows":
         return PathRows({s: r.take(idx) for s, r in self.rule.items()},
-                        {s: t.index_select(0, idx) for s, t in self.ple_in.items()}, self.ids.index_select(0, idx),
+                        {s: t.index_select(0, idx) for s, t in self.ple_in.items()},
+                        self.ids.index_select(0, idx),
                         None if self.streams is None else self.streams.index_select(0, idx))
 
     def head(self, n: int) -> "PathRows":
@@ -150,7 +151,9 @@ class FlashNextModel:
             sections.update({"ple.conv": self._ple_conv, "ngram.ctx": self._ctx})
         if self._h_last is not None:
             sections["mtp.h_last"] = self._h_last
-        views = {"K": (self._K, 2), "V": (self._V, 2), "IK": (self._IK, 1)} if self.cfg.attention_layers else {}
+        views = {"K": (self._K, 2), "V": (self._V, 2), "IK": (self._IK, 1)}
+        if not self.cfg.attention_layers:
+            views = {}
         return sections, views
 
     def reset(self) -> None:
@@ -261,7 +264,8 @@ class FlashNextModel:
     # -- one call's rows through every layer --------------------------------------------------------
     def _layers(self, ids: torch.Tensor, step: Step | TreeStep, rec: _Verified | None,
                 capture: Capture | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        # ids: [T] -> (hidden after the final mixer [T, H], taps); a Step advances the state, a TreeStep fills rec
+        # ids: [T] -> (hidden after the final mixer [T, H], taps);
+        # a Step advances the state, a TreeStep fills rec
         cfg, w, op = self.cfg, self.w, self._op
         mm = op["linear_rows"] if step.rowwise else batched
         cos, sin = _rope.cos_sin(step.positions(self.device), self._inv_freq)          # [T, R] each
@@ -290,13 +294,14 @@ class FlashNextModel:
             capture.append(("final mixer", out.clone()))
         return out, taps
 
-    def _mixer(self, mixer: GDNWeights | AttentionWeights, slot: int, step: Step | TreeStep, rec: _Verified | None,
-               mm: Callable[[Any, torch.Tensor], torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-               h: torch.Tensor) -> torch.Tensor:
-        # a layer's token mixer, h: [T, H] -> [T, H], over its slot's state; a verify keeps what a commit needs
+    def _mixer(self, mixer: GDNWeights | AttentionWeights, slot: int, step: Step | TreeStep,
+               rec: _Verified | None, mm: Callable[[Any, torch.Tensor], torch.Tensor], cos: torch.Tensor,
+               sin: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        # a layer's token mixer, h: [T, H] -> [T, H], over its slot's state; a verify keeps what a commit
+        # needs
         if isinstance(mixer, GDNWeights):
-            out, rule = gated_deltanet(self._op, mm, h, mixer, self.cfg, step, self._S[slot], self._conv[slot],
-                                       self.gdn_chunk)
+            out, rule = gated_deltanet(self._op, mm, h, mixer, self.cfg, step, self._S[slot],
+                                       self._conv[slot], self.gdn_chunk)
             if rec is not None and rule is not None:
                 rec.rows.rule[slot] = rule
             return out

@@ -75,22 +75,26 @@ class MTPWeights:
         for layer in self.layers:
             a = layer.mixer
             assert isinstance(a, AttentionWeights)
-            yield from (layer.attn_hc.norm, layer.mlp_hc.norm, a.q_norm, a.k_norm, a.index_q_norm, a.index_k_norm)
+            yield from (layer.attn_hc.norm, layer.mlp_hc.norm, a.q_norm, a.k_norm, a.index_q_norm,
+                        a.index_k_norm)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors()) + sum(x.nbytes for x in self.linears())
+        held = sum(t.numel() * t.element_size() for t in self.tensors())
+        return held + sum(x.nbytes for x in self.linears())
 
 
 def build_mtp(get: Callable[[str], torch.Tensor], cfg: FlashNextConfig, layers: int, dtype: str = "fp32",
               device: str | torch.device = "cpu") -> MTPWeights:
-    """The head from its tensors by key (``mtp.fc_embedding.weight``, ``mtp.layers.0.self_attn.q_proj.weight``)."""
+    """The head from its tensors by key (``mtp.fc_embedding.weight``,
+    ``mtp.layers.0.self_attn.q_proj.weight``, ...)."""
     b = Builder(get, cfg, normalise_dtype(dtype), device, len(expected_mtp_tensors(cfg, layers)))
     out = []
     for j in range(layers):
         p = f"mtp.layers.{j}."
-        out.append(LayerWeights(INDEXED, b.hyper(p + "attn_hyper_connection.", True), b.attention(p + "self_attn."),
-                                b.hyper(p + "mlp_hyper_connection.", True), b.moe(p + "mlp."), None))
+        out.append(LayerWeights(INDEXED, b.hyper(p + "attn_hyper_connection.", True),
+                                b.attention(p + "self_attn."), b.hyper(p + "mlp_hyper_connection.", True),
+                                b.moe(p + "mlp."), None))
     return MTPWeights(b.vec("mtp.pre_fc_norm_embedding.weight"), b.vec("mtp.pre_fc_norm_hidden.weight"),
                       b.linear("mtp.fc_embedding.weight"), b.linear("mtp.fc_hidden.weight"), tuple(out),
                       b.hyper("mtp.hyper_connection_mixer.", False))
@@ -111,7 +115,8 @@ class MTPRows(NamedTuple):
 
 
 class Draft(NamedTuple):
-    tokens: torch.Tensor              # [depth, 2] the top two tokens of each depth (the chain follows column 0)
+    # [depth, 2] the top two tokens of each depth (the chain follows column 0)
+    tokens: torch.Tensor
     probs: torch.Tensor               # [depth, 2] fp32 their probabilities
 
 
@@ -129,7 +134,8 @@ class MTPHead:
         shape = (L, cfg.num_key_value_heads, self.max_context, cfg.head_dim)
         self._K = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
         self._V = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
-        self._IK = torch.zeros(L, self.max_context, cfg.indexer_head_dim, dtype=self.act_dtype, device=self.device)
+        self._IK = torch.zeros(L, self.max_context, cfg.indexer_head_dim, dtype=self.act_dtype,
+                               device=self.device)
         self._inv_freq = _rope.inv_freq(cfg.rotary_dim, cfg.rope_theta, self.device)
 
     def views(self) -> dict[str, tuple[torch.Tensor, int]]:
@@ -143,12 +149,16 @@ class MTPHead:
         cfg, op, w = self.cfg, self._op, self.w
         T, n, eps = int(tokens.numel()), cfg.hc_count, cfg.rms_norm_eps
         if start + T > self.max_context:
-            raise ValueError(f"MTP head: positions up to {start + T - 1} exceed max_context {self.max_context}")
+            raise ValueError(f"MTP head: positions up to {start + T - 1} exceed max_context "
+                             f"{self.max_context}")
         step = Step(int(start), T)
         mm = op["linear_rows"] if step.rowwise else batched
-        e = mm(w.fc_embed, op["rms_norm_1p"](self.target.embed[tokens.reshape(-1)], w.norm_embed, eps))  # [T, H]
-        h = op["rms_norm_1p"](streams.to(self.act_dtype), w.norm_hidden, eps)                            # [T, n*H]
-        h = mm(w.fc_hidden, h.reshape(T * n, -1)).view(T, n, -1)                     # one row a stream, shared
+        # [T, H]
+        e = mm(w.fc_embed, op["rms_norm_1p"](self.target.embed[tokens.reshape(-1)], w.norm_embed, eps))
+        # [T, n*H]
+        h = op["rms_norm_1p"](streams.to(self.act_dtype), w.norm_hidden, eps)
+        # one row a stream, shared
+        h = mm(w.fc_hidden, h.reshape(T * n, -1)).view(T, n, -1)
         x = (h + e[:, None, :]).reshape(T, -1)                                       # x: [T, n*H]
         cos, sin = _rope.cos_sin(step.positions(self.device), self._inv_freq)
         lw = w.layers[layer]
@@ -157,8 +167,8 @@ class MTPHead:
         out, _ = hyper_mix(op, mm, x, w.final_hc, cfg)
         return MTPRows(out, x, mm(self.target.head, out).float())
 
-    def _attend(self, attn: AttentionWeights, layer: int, step: Step, mm: Any, cos: torch.Tensor, sin: torch.Tensor,
-                h: torch.Tensor) -> torch.Tensor:
+    def _attend(self, attn: AttentionWeights, layer: int, step: Step, mm: Any, cos: torch.Tensor,
+                sin: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         out, _ = indexed_attention(self._op, mm, h, attn, self.cfg, step, self._K[layer], self._V[layer],
                                    self._IK[layer], cos, sin, self._inv_freq)
         return out

@@ -153,8 +153,8 @@ def ngram_hashes(cfg: FlashNextConfig) -> tuple[NGramHash, ...]:
         offsets = tuple(int(x) for x in np.cumsum((0,) + sizes[:-1]))
         divisor = cfg.make_ngram_vocab_size_divisible_by
         rows = math.ceil(sum(sizes) / divisor) * divisor
-        out.append(NGramHash(m, cfg.eos_token_id, layer_multipliers(cfg.vocab_size, cfg.ngram_size, m, cfg.seed),
-                             sizes, offsets, cfg.heads_per_ngram, rows))
+        mult = layer_multipliers(cfg.vocab_size, cfg.ngram_size, m, cfg.seed)
+        out.append(NGramHash(m, cfg.eos_token_id, mult, sizes, offsets, cfg.heads_per_ngram, rows))
     return tuple(out)
 
 
@@ -231,7 +231,8 @@ class RowTable:
         tensors = []
         for p in parts:
             arr = np.memmap(p.file, dtype=_NP[p.dtype], mode="c", offset=p.offset, shape=(p.rows, p.width))
-            t = torch.from_numpy(arr)                                 # copy-on-write pages: the file is never written
+            # copy-on-write pages: the file is never written
+            t = torch.from_numpy(arr)
             tensors.append(t.view(torch.bfloat16) if p.dtype == torch.bfloat16 else t)
         return cls(tensors)
 

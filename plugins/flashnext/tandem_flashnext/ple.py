@@ -61,7 +61,8 @@ def dilated_conv_tree(op: Ops, x: torch.Tensor, tail: torch.Tensor, weight: torc
     ancestors, then the committed ``tail``) and its own. ``[N, C]``; mutates nothing."""
     par = as_parents(parents)
     K, W = weight.shape[1], tail.shape[1]
-    src = torch.cat([tail.t().to(x.dtype), x], dim=0).float()                  # src: [W+N, C]; tail rows first
+    # src: [W+N, C]; tail rows first
+    src = torch.cat([tail.t().to(x.dtype), x], dim=0).float()
     index = []
     for i in range(len(par)):
         anc = ancestors(par, i, W)                                             # nearest first
@@ -77,16 +78,17 @@ def dilated_conv_tree(op: Ops, x: torch.Tensor, tail: torch.Tensor, weight: torc
 
 def ple(op: Ops, mm: MatMul, x: torch.Tensor, ids: torch.Tensor, w: PLEWeights, cfg: FlashNextConfig,
         step: Any, conv: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x: [T, n*H]`` the streams, ``ids: [T]`` the step's tokens, ``ctx: [ngram_size - 1]`` the tokens before
-    the step -> ``(what the module adds to the streams [T, n*H], the conv inputs [T, n*H])``. A ``Step``
-    advances ``conv`` ([n*H, (K-1)*d]) in place; a ``TreeStep`` mutates nothing (the caller keeps the
-    conv inputs for the commit)."""
+    """``x: [T, n*H]`` the streams, ``ids: [T]`` the step's tokens, ``ctx: [ngram_size - 1]`` the tokens
+    before the step -> ``(what the module adds to the streams [T, n*H], the conv inputs [T, n*H])``. A
+    ``Step`` advances ``conv`` ([n*H, (K-1)*d]) in place; a ``TreeStep`` mutates nothing (the caller keeps
+    the conv inputs for the commit)."""
     n, H, act = cfg.hc_count, cfg.hidden_size, x.dtype
     T = x.shape[0]
     tree = isinstance(step, TreeStep)
     win = tree_windows(ctx, ids, step.parents) if tree else windows(ctx, ids)  # win: [T, ngram_size]
     rows = w.hash.ids(win)                                                     # rows: [T, heads]
-    emb = w.table.gather(rows, act).reshape(T, -1).to(x.device)                # emb: [T, E], gathered on the host
+    # emb: [T, E], gathered on the host
+    emb = w.table.gather(rows, act).reshape(T, -1).to(x.device)
     key = op["rms_norm_1p"](mm(w.key, emb).view(T, n, H), w.norm_key.view(n, H), cfg.rms_norm_eps)
     query = op["rms_norm_1p"](x.view(T, n, H), w.norm_query.view(n, H), cfg.rms_norm_eps)
     value = mm(w.value, emb)                                                   # value: [T, H]

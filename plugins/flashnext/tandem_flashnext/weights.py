@@ -148,8 +148,8 @@ def open_checkpoint(directory: str | Path, cfg: FlashNextConfig) -> Checkpoint:
     mtp_keys = [k for k in reader.keys() if k.startswith(MTP_PREFIX)]
     mtp_layers = mtp_layer_count(mtp_keys)
     if mtp_keys and cfg.mtp_num_hidden_layers is not None and mtp_layers != cfg.mtp_num_hidden_layers:
-        raise AuditError(f"checkpoint {reader.dir}: the MTP head has {mtp_layers} decoder layers (mtp.layers.*), "
-                         f"the config's mtp_num_hidden_layers is {cfg.mtp_num_hidden_layers}")
+        raise AuditError(f"checkpoint {reader.dir}: the MTP head has {mtp_layers} decoder layers "
+                         f"(mtp.layers.*), the config's mtp_num_hidden_layers is {cfg.mtp_num_hidden_layers}")
     expected = expected_tensors(cfg)
     expected_mtp = expected_mtp_tensors(cfg, mtp_layers) if mtp_keys else {}
     names = {**layout.names, **{k: k for k in mtp_keys}}
@@ -162,8 +162,8 @@ def open_checkpoint(directory: str | Path, cfg: FlashNextConfig) -> Checkpoint:
     if unknown:
         key = layout.names.get(unknown[0], unknown[0])
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        raise AuditError(f"checkpoint {reader.dir}: tensor {key!r} is not one the qwen4_exp model reads{more}; "
-                         f"its config does not describe this checkpoint")
+        raise AuditError(f"checkpoint {reader.dir}: tensor {key!r} is not one the qwen4_exp model "
+                         f"reads{more}; its config does not describe this checkpoint")
     return Checkpoint(reader, layout, expected, tables, weights_identity(reader), mtp_layers,
                       tuple(sorted(names[k] for k in unused)))
 
@@ -428,11 +428,12 @@ def build_weights(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor
         ple = None if slot is None else b.ple(p + "ple.", i, hashes[slot], tables(i))
         layers.append(LayerWeights(cfg.layer_types[i], attn_hc, mixer, mlp_hc, moe, ple))
     final_hc = b.hyper("hyper_connection_mixer.", False)
-    return FlashNextWeights(normalise_dtype(dtype), b.act, b.device, embed, head, final_hc, tuple(layers), tied,
-                            identity, dict(skipped or {}))
+    return FlashNextWeights(normalise_dtype(dtype), b.act, b.device, embed, head, final_hc, tuple(layers),
+                            tied, identity, dict(skipped or {}))
 
 
-def load_weights(ckpt: Checkpoint, cfg: FlashNextConfig, dtype: str = "fp32", device: str | torch.device = "cpu",
+def load_weights(ckpt: Checkpoint, cfg: FlashNextConfig, dtype: str = "fp32",
+                 device: str | torch.device = "cpu",
                  progress: Callable[[int, int, str], None] | None = None) -> FlashNextWeights:
     """Read every tensor of an audited checkpoint into ``FlashNextWeights``; the PLE tables memory-mapped."""
     names, reader = ckpt.layout.names, ckpt.reader
