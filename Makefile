@@ -8,14 +8,17 @@ EDITABLE := -e . $(foreach p,$(PLUGINS),-e $(p))
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2-135m
+# the test set-up's pin (the packages ask for torch>=2.4, so a CUDA build already in the venv stays)
+TORCH ?= torch==2.13.0
 
-.PHONY: serve test install install-test clean
+.PHONY: serve test install install-test dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# the core and every plugin, editable
+# the core and every plugin, editable; torch pinned first unless the venv has one already
 $(VENV)/.installed: $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
 	$(PIP) $(EDITABLE)
 	touch $@
 
@@ -34,5 +37,11 @@ serve: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -q
 
+# wheels of the core and every plugin (not editable), for `pip install dist/*.whl`
+dist: $(PY)
+	rm -rf dist
+	$(PIP) "setuptools>=70.1"
+	$(PY) -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation -w dist . $(PLUGINS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache dist

@@ -1,7 +1,8 @@
-"""The model registry: ``registry/models/<id>/model.yaml`` entries (schema 1), and where a model's files are.
+"""The model registry: ``tandem_core/shipped/models/<id>/model.yaml`` entries (schema 1), and where a model's files are.
 
 ``entries()`` reads every entry from the folders registered through the
-``tandem_model_entries`` hook (the core registers the shipped ``registry/``;
+``tandem_model_entries`` hook (the core registers its shipped ``tandem_core/shipped/``, found
+with ``importlib.resources`` so an installed wheel finds it;
 ``TANDEM_REGISTRY`` adds one). ``check()`` refuses an entry whose numbers do not
 add up. ``resolve(model, weights)`` turns what the user typed (an id, a path, or
 nothing for the default) into a local path, or fails saying where it looked and
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -24,7 +26,7 @@ __all__ = [
     "check_entry", "check", "resolve", "home",
 ]
 
-SHIPPED = Path(__file__).resolve().parent.parent / "registry"
+SHIPPED = Path(str(files("tandem_core").joinpath("shipped")))   # models/, prices/, schema/ inside the package
 SCHEMA_PATH = SHIPPED / "schema" / "model.schema.json"
 _GIB = 1 << 30
 
@@ -46,6 +48,13 @@ class Entry:
     @property
     def source(self) -> dict[str, Any]:
         return dict(self.data.get("source", {}))
+
+
+def _checkout() -> Path | None:
+    """The source checkout this core runs from (``docs/`` beside the package), or None for an installed wheel:
+    an entry's ``docs`` link names a page of the repository, checked only where the repository is."""
+    root = SHIPPED.parent.parent
+    return root if (root / "docs").is_dir() and (root / "pyproject.toml").is_file() else None
 
 
 def home() -> Path:
@@ -146,8 +155,8 @@ def check_entry(e: Entry, repo_root: Path | None = None) -> list[str]:
             if key not in SETTINGS:
                 problems.append(f"{e.path}: tool {t['name']!r} names setting {key!r}, which nothing declares")
     if "docs" in d:
-        root = repo_root or SHIPPED.parent
-        if not (root / d["docs"]).exists():
+        root = repo_root or _checkout()
+        if root is not None and not (root / d["docs"]).exists():
             problems.append(f"{e.path}: docs link {d['docs']!r} is not there")
     numbers = _number_paths(d)
     sources = d.get("sources", {})

@@ -1,4 +1,4 @@
-"""The shipped model registry (``registry/models``), registered through the same hook as a plugin's."""
+"""The shipped model registry (``tandem_core/shipped/models``), registered through the same hook as a plugin's."""
 
 from __future__ import annotations
 

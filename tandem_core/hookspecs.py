@@ -32,18 +32,8 @@ def tandem_cache_tiers(register):
 
 
 @hookspec
-def tandem_conductor_policies(register):
-    """Register conductor policies (profiles, routers, monitors): ``register(name, "module:Class")``."""
-
-
-@hookspec
 def tandem_cli_commands(register):
     """Register ``tandem`` subcommands: ``register(name, help, configure, run)``."""
-
-
-@hookspec
-def tandem_dashboard_routes(register):
-    """Register dashboard routes: ``register(path, "module:function")``."""
 
 
 @hookspec

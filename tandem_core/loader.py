@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem_core import catalog
+from tandem_core.devices import check_runs
 from tandem_core.registry import Arch, architecture
 from tandem_core.serving import ServeArgs, ServeContext, Served
 
@@ -56,8 +57,9 @@ def load_served(model: str | None, *, weights: str | None = None, args: ServeArg
     model_id, path = catalog.resolve(model, weights)
     ctx.mark("resolve")
     arch = arch_for(path)
-    serve = arch.load("serve")
     base = args or ServeArgs(model_id=model_id, path=path)
+    check_runs(arch, base.device, base.dtype)       # before a weight is read: a device or dtype it cannot run
+    serve = arch.load("serve")
     served = serve(replace(base, model_id=model_id, path=path), ctx)
     served.info.setdefault("architecture", arch.name)
     served.info.setdefault("plugin", arch.package)

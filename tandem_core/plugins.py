@@ -39,8 +39,7 @@ DEFAULT_PLUGINS = (
 
 HOOKS = (
     "tandem_architectures", "tandem_weight_formats", "tandem_drafters", "tandem_cache_tiers",
-    "tandem_conductor_policies", "tandem_cli_commands", "tandem_dashboard_routes", "tandem_settings",
-    "tandem_model_entries",
+    "tandem_cli_commands", "tandem_settings", "tandem_model_entries",
 )
 
 
@@ -65,9 +64,7 @@ class Registries:
     weight_formats: dict[str, Callable[..., Any]] = field(default_factory=dict)
     drafters: dict[str, str] = field(default_factory=dict)
     cache_tiers: dict[str, str] = field(default_factory=dict)
-    conductor_policies: dict[str, str] = field(default_factory=dict)
     cli_commands: dict[str, tuple] = field(default_factory=dict)
-    dashboard_routes: dict[str, str] = field(default_factory=dict)
     model_entries: list[str] = field(default_factory=list)
     owners: dict[tuple[str, str], str] = field(default_factory=dict)
 
@@ -199,8 +196,6 @@ def _collect() -> Registries:
     keyed("tandem_weight_formats", "weight_format", reg.weight_formats)
     keyed("tandem_drafters", "drafter", reg.drafters)
     keyed("tandem_cache_tiers", "cache_tier", reg.cache_tiers)
-    keyed("tandem_conductor_policies", "conductor_policy", reg.conductor_policies)
-    keyed("tandem_dashboard_routes", "dashboard_route", reg.dashboard_routes)
     for owner, fn in each("tandem_cli_commands"):
         def register_cmd(name: str, help: str, configure: Callable, run: Callable, _owner: str = owner) -> None:
             if name in reg.cli_commands:

@@ -28,21 +28,23 @@ class Arch:
     architectures  the ``architectures`` strings of config.json it reads
     model_types    the ``model_type`` values it reads (top level or under ``text_config``)
     config         ``"module:function"``: ``raw_config -> the model's config object`` (strict)
-    engine         ``"module:Class"``: the engine, built by ``serve``
     package        the distribution that provides it
     serve          ``"module:function"``: ``serve(args, ctx) -> Served`` builds everything the server needs
+    runs           the device types and dtypes its runners compute in, e.g. ``(("cpu", ("fp32",)), ("cuda",
+                   ("bf16", "fp32")))``: the loader refuses anything else before a weight is read (empty: the
+                   plugin's ``serve`` decides)
     """
 
     name: str
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     config: str
-    engine: str
     package: str
     serve: str
+    runs: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def load(self, which: str) -> Any:
-        """Import one of ``config``, ``engine`` or ``serve``."""
+        """Import one of ``config`` or ``serve``."""
         return import_string(getattr(self, which))
 
     def read_config(self, raw: Mapping[str, Any]) -> Any:

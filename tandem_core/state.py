@@ -23,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["View", "ModelState", "StateMismatch"]
+__all__ = ["View", "ModelState", "StateMismatch", "copy_to"]
 
 
 class StateMismatch(ValueError):
@@ -47,6 +47,16 @@ class View:
 
     def bytes_per_token(self) -> int:
         return self.tensor.numel() // max(1, self.capacity) * self.tensor.element_size()
+
+
+def copy_to(t: torch.Tensor, device: torch.device | str | None = None, pin: bool = False) -> torch.Tensor:
+    """A detached contiguous copy of ``t`` on ``device`` (default: its own); ``pin`` puts a CPU copy in
+    page-locked memory (where CUDA is there to pin it)."""
+    dev = torch.device(device) if device is not None else t.device
+    if pin and dev.type == "cpu" and torch.cuda.is_available():
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t.detach())
+    return t.detach().to(device=dev, copy=True).contiguous()
 
 
 def _sig(t: torch.Tensor, axis: int | None) -> tuple:
@@ -80,8 +90,10 @@ class ModelState:
         return self.section_bytes() + self.view_bytes_per_token() * self.length
 
     # -- copies -----------------------------------------------------------------------
-    def clone(self, length: int | None = None, device: torch.device | str | None = None) -> "ModelState":
-        """A detached snapshot of the first ``length`` tokens (default: all), on ``device`` (default: same).
+    def clone(self, length: int | None = None, device: torch.device | str | None = None, *,
+              pin: bool = False) -> "ModelState":
+        """A detached snapshot of the first ``length`` tokens (default: all), on ``device`` (default: same);
+        ``pin``: in page-locked host memory (``device`` the CPU), so copying it back to a GPU is a fast DMA.
 
         The sections are copied whole: they describe the state *after* ``self.length``
         tokens, so cloning a shorter ``length`` is only meaningful for a model without
@@ -90,9 +102,8 @@ class ModelState:
         n = self.length if length is None else length
         if n > self.length:
             raise StateMismatch(f"cannot clone {n} tokens of a state holding {self.length}")
-        secs = {k: v.detach().to(device=device or v.device, copy=True) for k, v in self.sections.items()}
-        views = {k: View(v.head(n).detach().to(device=device or v.tensor.device, copy=True).contiguous(), v.axis)
-                 for k, v in self.views.items()}
+        secs = {k: copy_to(v, device, pin) for k, v in self.sections.items()}
+        views = {k: View(copy_to(v.head(n), device, pin), v.axis) for k, v in self.views.items()}
         return ModelState(secs, views, n)
 
     def restore(self, snap: "ModelState", length: int | None = None) -> None:

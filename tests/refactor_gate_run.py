@@ -5,7 +5,8 @@
 
 The tiny model is built from a seed here (no checkpoint, no transformers): the
 config goes through the plugin's strict reader, the tensors through its
-``build_weights``, the run through ``Qwen38Engine``. What is hashed: every logit
+``build_weights``, the run through the core's ``SequenceEngine`` over the plugin's
+reference runner. What is hashed: every logit
 and the post-norm hidden rows of a chunked prefill, then of two decode steps,
 and every byte of the state (``gdn.S``, ``gdn.conv`` whole; ``K``, ``V`` up to the
 length) after each; then a block verify and its commit, a rollback of two pending
@@ -79,7 +80,7 @@ def run() -> dict[str, str]:
         if str(src) not in sys.path:
             sys.path.insert(0, str(src))
     from tandem_qwen38.config import read_config
-    from tandem_qwen38.model import Qwen38Engine
+    from tandem_qwen38.serving import build_engine
     from tandem_qwen38.weights import build_weights, expected_tensors
 
     torch.set_num_threads(1)
@@ -97,7 +98,7 @@ def run() -> dict[str, str]:
             r = r * 0.2
         tensors[name] = r
     weights = build_weights(tensors, cfg, "fp32", identity="refactor-gate")
-    eng = Qwen38Engine(cfg, weights, max_context=64, prefill_chunk=PREFILL_CHUNK, gdn_chunk=GDN_CHUNK)
+    eng = build_engine(cfg, weights, 64, PREFILL_CHUNK, gdn_chunk=GDN_CHUNK)
     ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, PROMPT_LEN))
 
     out: dict[str, str] = {}

@@ -67,7 +67,7 @@ class TinyEngine:
             sections["odd.count"] = torch.zeros((), dtype=torch.int64)
         self._state = ModelState(sections, views, 0)
         self.kv = _KV(self._state)
-        self.caps = Capabilities(resume=True, recurrent=bool(sections), max_context=capacity)
+        self.caps = Capabilities(resume=True, max_context=capacity)
         self._hist: list[dict[str, torch.Tensor] | None] = []   # sections after each position (rollback)
         self.resumed_at: list[int] = []
 
@@ -137,9 +137,6 @@ class TinyEngine:
         del self._hist[n:]
 
     # -- cold verbs -----------------------------------------------------------------------
-    def cache_state(self) -> ModelState:
-        return self._state
-
     def resume_at(self, n: int) -> None:
         """The state was taken to ``n`` from outside: this engine's own history before it is unknown."""
         self.resumed_at.append(n)

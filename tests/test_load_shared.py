@@ -88,10 +88,15 @@ def test_third_model_runs_from_the_command_line(tmp_path):
 
 
 def test_core_names_no_model_and_sniffs_no_engine():
+    """No model plugin named under tandem_core/, and no engine probed with hasattr/isinstance: capabilities are
+    read from ``caps`` (``supports_tree``/``supports_resume``). The conformance suite (tandem_core/testing/) is
+    test support whose job is to check an engine against the protocols, so it may ``isinstance`` them."""
     bad = re.compile(r"tandem_qwen38|tandem_llama|Qwen38Engine|LlamaEngine|hasattr\((eng|engine|model)\b"
                      r"|isinstance\((eng|engine)\b")
     offenders = []
     for path in (ROOT / "tandem_core").rglob("*.py"):
+        if path.parent.name == "testing":
+            continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if bad.search(line):
                 offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")

@@ -17,7 +17,7 @@ from tandem_core.registry import Arch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TOY_ARCH = Arch("toy", ("ToyForCausalLM",), ("toy",), "toy_mod:read", "toy_mod:Engine", "tandem-toy", "toy_mod:serve")
+TOY_ARCH = Arch("toy", ("ToyForCausalLM",), ("toy",), "toy_mod:read", "tandem-toy", "toy_mod:serve")
 
 
 class ToyPlugin:
@@ -38,16 +38,8 @@ class ToyPlugin:
         register("toy-tier", "toy_mod:Tier")
 
     @hookimpl
-    def tandem_conductor_policies(self, register):
-        register("toy-policy", "toy_mod:Policy")
-
-    @hookimpl
     def tandem_cli_commands(self, register):
         register("toy", "a toy command", lambda p: None, lambda a: 0)
-
-    @hookimpl
-    def tandem_dashboard_routes(self, register):
-        register("/toy", "toy_mod:page")
 
     @hookimpl
     def tandem_model_entries(self, register):
@@ -67,8 +59,6 @@ def test_in_test_plugin_registered_and_unregistered(fresh_plugins):
     assert reg.architectures["toy"] is TOY_ARCH
     assert "toy4" in reg.weight_formats and reg.drafters["toy-drafter"] == "toy_mod:Drafter"
     assert reg.cache_tiers["toy-tier"] == "toy_mod:Tier"
-    assert reg.conductor_policies["toy-policy"] == "toy_mod:Policy"
-    assert reg.dashboard_routes["/toy"] == "toy_mod:page"
     assert "toy" in reg.cli_commands and "/nonexistent/toy-registry" in reg.model_entries
     info = {p.name: p for p in fresh_plugins.loaded_plugins()}["toy"]
     assert info.registered["architecture"] == ["toy"] and not info.default

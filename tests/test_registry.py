@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 class TwoArchs:
     @hookimpl
     def tandem_architectures(self, register):
-        register(Arch("alpha", ("AlphaForCausalLM",), ("alpha",), "m:c", "m:E", "tandem-alpha", "m:s"))
-        register(Arch("beta", ("BetaForConditionalGeneration",), ("beta", "beta_text"), "m:c", "m:E", "tandem-beta", "m:s"))
+        register(Arch("alpha", ("AlphaForCausalLM",), ("alpha",), "m:c", "tandem-alpha", "m:s"))
+        register(Arch("beta", ("BetaForConditionalGeneration",), ("beta", "beta_text"), "m:c", "tandem-beta", "m:s"))
 
 
 def test_architecture_by_name_and_by_model_type(fresh_plugins):
@@ -58,7 +58,7 @@ def test_registry_schema_prints_json():
 
 
 def _broken_copy(tmp_path: Path, edit) -> Path:
-    src = ROOT / "registry" / "models" / "qwen3.8-27b" / "model.yaml"
+    src = ROOT / "tandem_core" / "shipped" / "models" / "qwen3.8-27b" / "model.yaml"
     d = tmp_path / "reg" / "models" / "qwen3.8-27b"
     d.mkdir(parents=True)
     data = yaml.safe_load(src.read_text())

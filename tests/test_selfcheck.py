@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest_qwen38 import load_engine, qwen38_ckpts  # noqa: F401  (fixture)
-from tree_checks import check_a_batched_linear_fails_at_width_two, check_trace_verbs
 
+from tandem_core.engine import SequenceEngine, TreeStep
 from tandem_core.spec.selfcheck import LayerTrace, SelfCheck, run_selfcheck
+from tandem_core.testing.conformance import check_a_batched_linear_fails_at_width_two
 
 WIDTH = 16
 
@@ -28,14 +29,21 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def engine_cls(qwen38_ckpts):
-    return type(load_engine(qwen38_ckpts.text.path, max_context=8))
+def engine_cls():
+    return SequenceEngine
 
 
-def build(qwen38_ckpts, cls=None, **kw):
-    """An engine of ``cls`` (a test subclass) over the tiny text checkpoint, ``max_tree`` = WIDTH."""
-    base = load_engine(qwen38_ckpts.text.path, max_context=8)
-    return (cls or type(base))(base.cfg, base.w, max_context=128, max_tree=WIDTH, **kw)
+@pytest.fixture(scope="module")
+def runner_cls(qwen38_ckpts):
+    return type(load_engine(qwen38_ckpts.text.path, max_context=8).runner)
+
+
+def build(qwen38_ckpts, cls=None, runner=None, **kw):
+    """An engine of ``cls`` (a test subclass of the core's engine) over a runner of ``runner`` (a test subclass
+    of the plugin's reference runner) on the tiny text checkpoint, ``max_tree`` = WIDTH."""
+    base = load_engine(qwen38_ckpts.text.path, max_context=8).runner
+    run = (runner or type(base))(base.cfg, base.w, max_context=128, max_tree=WIDTH, **kw)
+    return (cls or SequenceEngine)(run)
 
 
 def nudge(t: torch.Tensor) -> torch.Tensor:
@@ -78,11 +86,9 @@ def test_the_self_checks_trees_branch_share_prefixes_and_shuffle(qwen38_ckpts, e
 
 
 @pytest.mark.parametrize("layer,kind", [(1, "linear_attention"), (3, "full_attention")])
-def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(qwen38_ckpts, engine_cls, layer,
+def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(qwen38_ckpts, runner_cls, layer,
                                                                            kind):
-    from tandem_qwen38.model import TreeStep
-
-    class OneUlpOff(engine_cls):
+    class OneUlpOff(runner_cls):
         """Verifies of 3 or more nodes are off by one ulp in one layer's mixer output."""
 
         def _gated_deltanet(self, x, w, slot, step, tree):
@@ -95,7 +101,7 @@ def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(qwen3
             hit = kind == "full_attention" and self.cfg.attention_layers[slot] == layer
             return nudge(out) if hit and isinstance(step, TreeStep) and step.count >= 3 else out
 
-    res = run_selfcheck(build(qwen38_ckpts, OneUlpOff))
+    res = run_selfcheck(build(qwen38_ckpts, runner=OneUlpOff))
     assert not res.ok
     m = res.mismatch
     assert m is not None and m.form == "chain" and m.width == 3 and m.node == 0
@@ -106,7 +112,7 @@ def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(qwen3
 
 
 def test_a_non_invariant_linear_kernel_fails_the_check_at_width_two(qwen38_ckpts):
-    lin = build(qwen38_ckpts).w.layers[0].mixer.in_qkv
+    lin = build(qwen38_ckpts).runner.w.layers[0].mixer.in_qkv
     check_a_batched_linear_fails_at_width_two(lambda: build(qwen38_ckpts), lambda x: F.linear(x, lin.dense()),
                                               lin.shape[1], "layer 0 linear_attention mixer")
 
@@ -115,7 +121,8 @@ def test_an_inexact_commit_is_named_as_the_state_before_the_row(qwen38_ckpts, en
     class LossyCommit(engine_cls):
         def commit_tree(self, path):
             super().commit_tree(path)
-            self._S[0] = nudge(self._S[0])
+            S = self.state.sections["gdn.S"]
+            S[0] = nudge(S[0])
 
     res = run_selfcheck(build(qwen38_ckpts, LossyCommit))
     assert not res.ok and res.mismatch is not None
@@ -132,7 +139,8 @@ def test_a_state_difference_the_rows_cannot_show_is_named_by_tensor(qwen38_ckpts
         def commit_tree(self, path):
             super().commit_tree(path)
             if self.kv.length == self.end:
-                self._S[2] = nudge(self._S[2])
+                S = self.state.sections["gdn.S"]
+                S[2] = nudge(S[2])
 
     eng = build(qwen38_ckpts, LastCommitOff)
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -196,9 +204,6 @@ class TreeOnly:
     def reset(self):
         self._inner.reset()
 
-    def cache_state(self):
-        return self._inner.cache_state()
-
     def manifest(self):
         return self._inner.manifest()
 
@@ -234,7 +239,7 @@ def test_an_engine_without_trees_or_one_that_raises_fails_the_check(qwen38_ckpts
     assert not res.ok and "RuntimeError: the commit kernel is missing" in res.first_mismatch
 
 
-def test_the_trace_verbs_have_their_verbs_arithmetic(qwen38_ckpts):
-    eng, twin = build(qwen38_ckpts), build(qwen38_ckpts)
-    check_trace_verbs(eng, twin, "layer 0 linear_attention mixer", 2 * 4 + 1, 64)
-    assert torch.equal(eng.state.sections["gdn.S"], twin.state.sections["gdn.S"])
+def test_the_trace_names_the_layers_of_the_family(qwen38_ckpts):
+    t = build(qwen38_ckpts).trace_forward([5, 17, 2, 99, 43])
+    assert t.points[0] == "layer 0 linear_attention mixer" and len(t.points) == 2 * 4 + 1
+    assert all(r.shape == (5, 64) for r in t.rows)

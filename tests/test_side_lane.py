@@ -27,7 +27,7 @@ from tandem_core.state import StateMismatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))
-from tree_checks import Oracle, assert_same_state, flat_prices  # noqa: E402
+from tandem_core.testing.trees import Oracle, assert_same_state, flat_prices  # noqa: E402
 
 CHUNK = 16          # prefill chunk of the engines here: a 70-token prompt is five chunks, four safe points
 
@@ -70,7 +70,7 @@ def qwen38_engines(qwen38_ckpts):  # noqa: F811
 @pytest.fixture(scope="module")
 def qwen38_cuda_engines(qwen38_ckpts):  # noqa: F811
     """The CUDA graph path (bf16; skipped without a CUDA device and Triton)."""
-    from test_gpu_engine import CUDA, cuda_engine
+    from test_qwen38_gpu import CUDA, cuda_engine
 
     from tandem_core.tokenizer import HFTokenizer
 
@@ -196,11 +196,11 @@ def lane_job(prompt_len: int, max_tokens: int = 8):
 
 
 def toy_lane(gate=None):
-    from toy_tree_engine import ToyTreeEngine
+    from toy_tree_runner import toy_tree_engine
 
     from tandem_core.server.sidelane import SideLane
 
-    eng = ToyTreeEngine()
+    eng = toy_tree_engine()
     greedy(eng, list(range(3, 40)), 5)
     lane = SideLane(served=None, limit=4, gate=gate)
     lane.open = True

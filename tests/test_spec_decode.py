@@ -17,7 +17,7 @@ from tandem_core.spec.sampler import SamplingParams
 from tandem_core.spec.speculate import SpecDecode, Speculation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))
-from toy_tree_engine import ToyTreeEngine  # noqa: E402
+from toy_tree_runner import toy_tree_engine  # noqa: E402
 
 
 class IdDetok:
@@ -46,7 +46,7 @@ def run(decode_cls, engine, prompt, params, max_tokens=40, stop_ids=(), **kw):
 
 
 def speculation(engine):
-    target = TargetInfo.of(engine.caps, tokenizer=None, vocab_size=engine.vocab)
+    target = TargetInfo.of(engine.caps, tokenizer=None, vocab_size=engine.runner.vocab)
     return Speculation([build_drafter("lookup", target)], StairCut(flat_prices(), max_tree=32), 32)
 
 
@@ -60,7 +60,7 @@ PROMPTS = [[1, 2, 3], [5, 5, 5, 5, 5], [7, 1, 7, 1, 7, 1, 7], list(range(20)), [
                                     SamplingParams(temperature=1.0, top_p=0.9, seed=7, frequency_penalty=0.3)],
                          ids=["greedy", "sampled", "sampled-penalties"])
 def test_speculative_equals_plain(params):
-    spec_engine, plain_engine = ToyTreeEngine(), ToyTreeEngine()
+    spec_engine, plain_engine = toy_tree_engine(), toy_tree_engine()
     spec = speculation(spec_engine)
     rounds = tokens = 0
     for prompt in PROMPTS:
@@ -79,7 +79,7 @@ def test_speculative_equals_plain(params):
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 13, 17])
 def test_max_tokens_inside_an_accepted_run(max_tokens):
     params = SamplingParams(temperature=0.0)
-    e1, e2 = ToyTreeEngine(), ToyTreeEngine()
+    e1, e2 = toy_tree_engine(), toy_tree_engine()
     spec = speculation(e1)
     for prompt in PROMPTS[:6]:
         want, _ = run(Decode, e2, prompt, params, max_tokens=max_tokens)
@@ -90,7 +90,7 @@ def test_max_tokens_inside_an_accepted_run(max_tokens):
 
 def test_stop_id_inside_an_accepted_run():
     params = SamplingParams(temperature=0.0)
-    e1, e2 = ToyTreeEngine(), ToyTreeEngine()
+    e1, e2 = toy_tree_engine(), toy_tree_engine()
     full, _ = run(Decode, e2, [5, 5, 5], params, max_tokens=30)
     stop = full[7]  # a token the greedy answer reaches mid-way
     want, _ = run(Decode, e2, [5, 5, 5], params, max_tokens=30, stop_ids={stop})
@@ -103,13 +103,13 @@ def test_stop_id_inside_an_accepted_run():
 
 def test_steep_prices_mean_plain_rounds():
     steep = prices(200.0)
-    want, _ = run(Decode, ToyTreeEngine(), PROMPTS[1], SamplingParams(temperature=0.0))
+    want, _ = run(Decode, toy_tree_engine(), PROMPTS[1], SamplingParams(temperature=0.0))
     for every in (0, 16):
-        e1 = ToyTreeEngine()
+        e1 = toy_tree_engine()
         trees = []
         real_forward_tree = e1.forward_tree
         e1.forward_tree = lambda t, p: trees.append(len(t)) or real_forward_tree(t, p)
-        target = TargetInfo.of(e1.caps, tokenizer=None, vocab_size=e1.vocab)
+        target = TargetInfo.of(e1.caps, tokenizer=None, vocab_size=e1.runner.vocab)
         spec = Speculation([build_drafter("lookup", target)], StairCut(steep, max_tree=32, explore_every=every), 32)
         got, dec = run(SpecDecode, e1, PROMPTS[1], SamplingParams(temperature=0.0), speculation=spec)
         assert got == want
@@ -117,4 +117,4 @@ def test_steep_prices_mean_plain_rounds():
         assert dec.stats.drafted == spec.cut.explored <= dec.stats.rounds // 17, (every, dec.stats)
         assert (spec.cut.explored > 0) == (every > 0)
         # a round with nothing to verify is a decode step (engine.forward), not a one-node verify
-        assert trees == [2] * spec.cut.explored and e1.forward_calls >= dec.stats.rounds - len(trees)
+        assert trees == [2] * spec.cut.explored and e1.runner.forward_calls >= dec.stats.rounds - len(trees)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 sys.path.insert(0, str(PLUGINS))
 from replay_server import Server  # noqa: E402
-from tree_checks import flat_prices  # noqa: E402
+from tandem_core.testing.trees import flat_prices  # noqa: E402
 
 
 class IdDetok:

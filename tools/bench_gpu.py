@@ -2,7 +2,7 @@
 
     python3 tools/bench_gpu.py engine --out DIR     our engine: checks, decode, verify curve, prefill, price file
     python3 tools/bench_gpu.py peer --out DIR [--fla DIR]   transformers' Qwen3_5ForCausalLM at the same shape
-    python3 tools/bench_gpu.py integrated --out DIR the same shape through Qwen38Engine's verbs (the CUDA graph
+    python3 tools/bench_gpu.py integrated --out DIR the same shape through the engine's verbs (the CUDA graph
                                                     path wired into the engine) beside a bare CudaRunner
     python3 tools/bench_gpu.py report --out DIR     tables (markdown) from the JSON the others wrote
 
@@ -577,13 +577,13 @@ def random_qwen38_weights(cfg, torch, seed: int = 0):
 
 
 def run_integrated(out: Path, budget_s: float, ctx: int = 4096) -> dict:
-    """Decode at ``ctx`` and verify 16 / 64 through ``Qwen38Engine`` (forward, forward_tree, picks, commit_tree,
+    """Decode at ``ctx`` and verify 16 / 64 through the engine (forward, forward_tree, picks, commit_tree,
     settle), beside a bare ``CudaRunner`` over the same fused weights (same matmul plans) at the same context."""
     import torch
 
     from tandem_qwen38.config import read_config
     from tandem_qwen38.cuda_graphs import CudaRunner, fuse_weights
-    from tandem_qwen38.model import Qwen38Engine
+    from tandem_qwen38.serving import build_engine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     R: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "context": ctx}
@@ -600,7 +600,7 @@ def run_integrated(out: Path, budget_s: float, ctx: int = 4096) -> dict:
         R["weights_GB"] = w.nbytes / 1e9
         log(f"weights {R['weights_GB']:.1f} GB in {time.time() - t:.1f}s")
         t = time.time()
-        eng = Qwen38Engine(cfg, w, max_context=ctx + 1024, prefill_chunk=4096, max_tree=64)
+        eng = build_engine(cfg, w, ctx + 1024, 4096, max_tree=64)
         R["engine_build_s"] = time.time() - t
         R["caps"] = {"device": eng.caps.device, "dtype": eng.caps.dtype, "max_tree": eng.caps.max_tree}
         log(f"engine built and captured in {R['engine_build_s']:.1f}s: {R['caps']}")
@@ -710,7 +710,7 @@ def run_integrated(out: Path, budget_s: float, ctx: int = 4096) -> dict:
 
 def integrated_table(R: dict) -> str:
     lines = [f"Integrated engine at {R.get('context')} tokens of context ({R.get('device')}, torch {R.get('torch')}):",
-             "", "| what | Qwen38Engine verbs (device ms / host ms) | bare CudaRunner (device ms / host ms) |",
+             "", "| what | engine verbs (device ms / host ms) | bare CudaRunner (device ms / host ms) |",
              "|---|---|---|"]
     if "engine_decode_ms" in R and "runner_decode_ms" in R:
         lines.append(f"| decode, ms/token (forward + picks) | {R['engine_decode_ms']:.2f} / "

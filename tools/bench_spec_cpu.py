@@ -377,7 +377,7 @@ def _reading(results: dict[str, dict[str, Tally]], cost: VerifyCost, steeper: li
         ("- Every speculative answer equals the plain answer token for token, whichever way the cut went: "
         "speculation changes the speed, never the text."),
         ("- On a GPU the picture flips: a verify's rows share one read of the weights (the Qwen3.8-27B price "
-        "file for the H200, `registry/prices/qwen3.8-27b/bf16.h200.json`, prices 16 rows at about 1.1x one "
+        "file for the H200, `tandem_core/shipped/prices/qwen3.8-27b/bf16.h200.json`, prices 16 rows at about 1.1x one "
         "row), so the cut drafts wide trees and accepted tokens come nearly free."),
         "",
     ]

@@ -19,7 +19,7 @@ from typing import Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
-from tandem_core.state import ModelState
+from tandem_core.state import ModelState, copy_to
 
 __all__ = [
     "GRID", "PROMPT_END", "GEN_END", "RESTORED", "CostModel", "Anchor", "Snapshot", "Hit", "TierStats",
@@ -66,10 +66,10 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def clone_sections(sections: Mapping[str, torch.Tensor], device: torch.device | str | None = None
+def clone_sections(sections: Mapping[str, torch.Tensor], device: torch.device | str | None = None, pin: bool = False
                    ) -> dict[str, torch.Tensor]:
-    """Detached copies of ``sections`` (on ``device``, default: where each one is)."""
-    return {k: v.detach().to(device=device or v.device, copy=True) for k, v in sections.items()}
+    """Detached copies of ``sections`` (on ``device``, default: where each one is; ``pin``: page-locked)."""
+    return {k: copy_to(v, device, pin) for k, v in sections.items()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,12 +225,14 @@ class CacheContext:
 
     fingerprint  ``engine.manifest().fingerprint()``: what computed the rows
     directory    where this model's disk tier and spill live
-    device       where the snapshot store keeps its tensors
+    device       where the snapshot store keeps its tensors (the host, for an engine on a GPU)
+    pin          keep them in page-locked host memory (an engine on a GPU: restores are fast DMA copies)
     cost         the recompute price of a token
     """
 
     fingerprint: str
     directory: Path
     device: str = "cpu"
+    pin: bool = False
     cost: CostModel = field(default_factory=CostModel)
 

@@ -35,7 +35,7 @@ from tandem_core.cache.base import (
 from tandem_core.cache.gate import MemoryGate
 from tandem_core.cache.resident import ResidentPrefix, ResumePlan
 from tandem_core.cache.store import SnapshotStore
-from tandem_core.engine import Engine
+from tandem_core.engine import Engine, supports_resume
 from tandem_core.state import StateMismatch
 
 __all__ = ["CacheStack", "Prefilled"]
@@ -114,8 +114,8 @@ class CacheStack:
             first.offer(self.resident.snapshot(state, kinds=kinds))
 
     def _told(self, engine: Engine, n: int) -> None:
-        if engine.caps.resume:
-            engine.resume_at(n)  # type: ignore[attr-defined]  # ResumableEngine, said by caps
+        if supports_resume(engine):
+            engine.resume_at(n)
 
     def prefill(self, engine: Engine, tokens: Sequence[int] | np.ndarray | torch.Tensor, *,
                 between: Callable[[], None] | None = None) -> Prefilled:

@@ -55,10 +55,11 @@ class SnapshotStore:
     name = "store"
 
     def __init__(self, budget_bytes: int, *, cost: CostModel | None = None, device: str = "cpu", block: int = 256,
-                 on_evict: Callable[[Snapshot, int], None] | None = None) -> None:
+                 on_evict: Callable[[Snapshot, int], None] | None = None, pin: bool = False) -> None:
         self.budget = max(0, int(budget_bytes))
         self.cost = cost or CostModel()
         self.device = device
+        self.pin = pin              # host copies page-locked (an engine on a GPU)
         self.on_evict = on_evict
         self._index = PrefixIndex(block)
         self._entries: dict[str, StoreEntry] = {}
@@ -71,7 +72,7 @@ class SnapshotStore:
     def build(cls, ctx: CacheContext) -> "SnapshotStore":
         from tandem_core.settings import SETTINGS
 
-        return cls(int(SETTINGS.get("CACHE_STORE_BYTES")), cost=ctx.cost, device=ctx.device)
+        return cls(int(SETTINGS.get("CACHE_STORE_BYTES")), cost=ctx.cost, device=ctx.device, pin=ctx.pin)
 
     # -- value ----------------------------------------------------------------------------
     def _value(self, length: int, nbytes: int, hits: int) -> float:
@@ -110,8 +111,8 @@ class SnapshotStore:
         size = state.nbytes + sum(a.nbytes for a in anchors)
         if not self.would_keep(len(toks), size):
             return False
-        snap = Snapshot(toks, state.clone(device=self.device),
-                        tuple(Anchor(a.position, clone_sections(a.sections, self.device), a.kind)
+        snap = Snapshot(toks, state.clone(device=self.device, pin=self.pin),
+                        tuple(Anchor(a.position, clone_sections(a.sections, self.device, self.pin), a.kind)
                               for a in anchors if 0 < a.position < len(toks)))
         return self.offer(snap)
 
@@ -141,8 +142,9 @@ class SnapshotStore:
         tensors = list(snap.state.sections.values()) + [v.tensor for v in snap.state.views.values()]
         if all(t.device == dev for t in tensors):
             return snap
-        return Snapshot(snap.tokens, snap.state.clone(device=dev),
-                        tuple(Anchor(a.position, clone_sections(a.sections, dev), a.kind) for a in snap.anchors))
+        return Snapshot(snap.tokens, snap.state.clone(device=dev, pin=self.pin),
+                        tuple(Anchor(a.position, clone_sections(a.sections, dev, self.pin), a.kind)
+                              for a in snap.anchors))
 
     # -- out ------------------------------------------------------------------------------
     def lookup(self, tokens: np.ndarray, limit: int) -> Hit | None:

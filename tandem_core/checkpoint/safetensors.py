@@ -110,12 +110,19 @@ class SafetensorsCheckpoint:
         except KeyError:
             raise CheckpointError(f"tensor {key!r} is not in the checkpoint at {self.dir}") from None
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, device: str | torch.device | None = None) -> torch.Tensor:
+        """The tensor ``key``, read straight onto ``device`` (default: the CPU): one tensor's bytes pass through
+        the host at a time, so loading a checkpoint never holds a whole host copy of it."""
         from safetensors import safe_open
 
         info = self.info(key)
-        with safe_open(str(info.file), framework="pt") as f:
+        with safe_open(str(info.file), framework="pt", device=str(device or "cpu")) as f:
             return f.get_tensor(key)
+
+    def nbytes(self, key: str) -> int:
+        """The stored bytes of tensor ``key``."""
+        info = self.info(key)
+        return info.end - info.begin
 
     def iter_files(self) -> Iterator[Path]:
         return iter(self.files)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from tandem_core.cli import CliError
 from tandem_core.plugins import PluginError, import_string, registries
@@ -14,10 +14,29 @@ def _resolve(obj: Any) -> Callable[..., Any]:
     return import_string(obj) if isinstance(obj, str) else obj
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (``tandem run: --max-tokens: must be >= 1 (see --help)``),
+    exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the ``selected`` command's options are configured (its module imported)."""
-    parser = argparse.ArgumentParser(prog="tandem", description="TandemLLM: a local inference server for coding agents")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = _Parser(prog="tandem", description="TandemLLM: a local inference server for coding agents")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (help, configure, run) in sorted(registries().cli_commands.items()):
         p = sub.add_parser(name, help=help, description=help)
         if name == selected:
@@ -44,7 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except CliError as exc:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
+    except Exception as exc:  # noqa: BLE001  (a failure no command foresaw: still one line, no traceback)
+        text = " ".join(str(exc).split())
+        print(f"tandem {args.command}: failed: {type(exc).__name__}: {text}", file=sys.stderr)
+        return 1
     return int(rc or 0)
 
 

@@ -1,5 +1,10 @@
 """``tandem serve``: load a model, then serve it behind the OpenAI API until interrupted.
 
+Before any weight loads it refuses, with one line and exit status 1, a model that is not
+there, a port already taken (it binds the socket then, and serves on it) and a cache
+directory another process holds (it takes the lock then). A load error of any plugin is one
+line naming the file and the field, exit 1 (``tandem_core.cli.load``).
+
 SIGTERM or SIGINT (Ctrl-C) stops it gracefully: the running generations stop and each
 engine's session is spilled to its cache directory, to be resumed at the next start.
 """
@@ -7,14 +12,15 @@ engine's session is spilled to its cache directory, to be resumed at the next st
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from tandem_core.cli import CliError
-from tandem_core.serving import ServeArgs, ServeContext
+from tandem_core.cli import CliError, LoadFailed
 from tandem_core.settings import SETTINGS
 
 __all__ = ["configure_serve", "run_serve"]
@@ -29,7 +35,10 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", type=int, default=8, help="requests that may wait for an engine (then 429)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
     p.add_argument("--max-context", type=int, default=8192, help="the most tokens one sequence holds")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                   help="where the model runs (default auto: the first CUDA device torch sees, else the CPU)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="what it computes in (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--ledger", help="the usage ledger's SQLite file (default: $TANDEM_HOME/ledger.sqlite)")
     p.add_argument("--spec", default="lookup", metavar="off|DRAFTER[,DRAFTER]",
                    help="speculative decoding: 'off', or the drafters to merge (default: lookup); on only "
@@ -94,16 +103,28 @@ def _drafters(spec: str) -> tuple[str, ...]:
     return tuple(d.strip() for d in spec.split(",") if d.strip())
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads: a taken port is refused in milliseconds, not after
+    the weights (uvicorn serves on this socket)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        why = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+        raise LoadFailed(f"port {port} on {host} {why}; stop the other server or pass --port N") from None
+    sock.set_inheritable(True)
+    return sock
 
-    from tandem_core import catalog
-    from tandem_core.loader import LoadError, load_served
-    from tandem_core.registry import UnknownArchitecture
-    from tandem_core.server.app import ParallelUnavailable, ServerOptions, ServerState, build_app
-    from tandem_core.server.speculation import SpecOptions
-    from tandem_core.server.caches import CacheDirectoryBusy, CacheOptions, parse_bytes
-    from tandem_core.server.ledger import default_path
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Refuse what can be refused before the weights load (options, the model's path, the port, the cache
+    directory's lock), then load, build the server state and serve until SIGTERM/SIGINT."""
+    from tandem_core.cli.load import resolve
+    from tandem_core.server.cachedir import CacheDirectoryBusy, lock_directory, parse_bytes
 
     _logging()
     log = logging.getLogger("tandem.serve")
@@ -113,14 +134,41 @@ def run_serve(args: argparse.Namespace) -> int:
         mem_peak = None if args.mem_peak is None else parse_bytes(args.mem_peak)
     except ValueError as exc:
         raise CliError(f"--mem-peak: {exc}") from exc
+    model_id, _ = resolve(args.model, args.weights)
+    sock = _bind(args.host, args.port)
+    lock = None
+    try:
+        directory = Path(args.cache_dir).expanduser() if args.cache_dir else None
+        if not args.no_cache:
+            try:
+                lock = lock_directory(model_id, directory)
+            except (CacheDirectoryBusy, OSError) as exc:
+                raise LoadFailed(str(exc)) from None
+        return _serve(args, sock, directory, lock, mem_peak, log)
+    finally:
+        sock.close()
+        if lock is not None and not lock.closed:
+            lock.close()    # the server's caches release it at shutdown; this is the path that never got there
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None, lock: IO[str] | None,
+           mem_peak: int | None, log: logging.Logger) -> int:
+    import uvicorn
+
+    from tandem_core.cli.load import load, placement
+    from tandem_core.server.app import ParallelUnavailable, ServerOptions, ServerState, build_app
+    from tandem_core.server.caches import CacheOptions
+    from tandem_core.server.ledger import default_path
+    from tandem_core.server.speculation import SpecOptions
+    from tandem_core.serving import ServeArgs, ServeContext
+
     ctx = ServeContext(log=lambda line: log.info("%s", line), progress=_Bar())
     t0 = time.perf_counter()
-    try:
-        served = load_served(args.model, weights=args.weights, ctx=ctx,
-                             args=ServeArgs(model_id="", path=Path("."), dtype=args.dtype,
-                                            max_context=args.max_context, threads=int(SETTINGS.get("THREADS"))))
-    except (catalog.ModelNotFound, LoadError, UnknownArchitecture) as exc:
-        raise CliError(str(exc)) from exc
+    device, dtype = placement(args.device, args.dtype)
+    log.info("device %s, dtype %s", device, dtype)
+    served = load(args.model, args.weights, ServeArgs(model_id="", path=Path("."), device=device, dtype=dtype,
+                                                      max_context=args.max_context,
+                                                      threads=int(SETTINGS.get("THREADS"))), ctx)
     for stage, t in served.info.get("load_stages", ctx.stages):
         print(f"  loaded: {stage:<16} {t:8.2f}s", file=sys.stderr)
     options = ServerOptions(parallel=args.parallel, queue=args.queue, api_key=args.api_key,
@@ -128,28 +176,29 @@ def run_serve(args: argparse.Namespace) -> int:
                             ledger=Path(args.ledger).expanduser() if args.ledger else default_path(),
                             wait_comment_s=float(SETTINGS.get("WAIT_COMMENT_S")),
                             side_lane=bool(SETTINGS.get("SIDE_LANE")),
-                            caches=None if args.no_cache else CacheOptions(
-                                directory=Path(args.cache_dir).expanduser() if args.cache_dir else None,
-                                mem_peak=mem_peak),
+                            caches=None if lock is None else CacheOptions(directory=directory, mem_peak=mem_peak,
+                                                                          lock=lock),
                             spec=SpecOptions(drafters=_drafters(args.spec), max_tree=args.max_tree))
     try:
         state = ServerState(served, options)
-    except (ParallelUnavailable, CacheDirectoryBusy) as exc:
+    except ParallelUnavailable as exc:
         raise CliError(str(exc)) from exc
-    app = build_app(served, options, state)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"http://{host}:{args.port}/v1"
-    ready = (f"tandem: serving {served.model_id} at {url} (OpenAI-compatible; loaded in "
-             f"{time.perf_counter() - t0:.1f}s, max context {state.max_context}, {args.parallel} engine(s))")
+    try:
+        app = build_app(served, options, state)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        url = f"http://{host}:{args.port}/v1"
+        ready = (f"tandem: serving {served.model_id} at {url} (OpenAI-compatible; loaded in "
+                 f"{time.perf_counter() - t0:.1f}s, max context {state.max_context}, {args.parallel} engine(s))")
 
-    class _Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets=sockets)
-            if not self.should_exit:
-                print(ready, flush=True)
+        class _Server(uvicorn.Server):
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets=sockets)
+                if not self.should_exit:
+                    print(ready, flush=True)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5)
-    server = _Server(config)
-    server.run()
-    return 0 if server.started else 1
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        server = _Server(config)
+        server.run(sockets=[sock])
+        return 0 if server.started else 1
+    finally:
+        state.spec.wait()   # a background self-check ends before the interpreter does (torch aborts otherwise)

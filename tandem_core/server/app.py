@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from tandem_core.cache.gate import MemoryGateError
 from tandem_core.server.admission import Admission, QueueFull, Slot, Ticket
+from tandem_core.server.body import read_body
 from tandem_core.server.caches import CacheOptions, ServerCaches, build_caches
 from tandem_core.server.speculation import SpecOptions, build_speculation
 from tandem_core.server.fields import FieldError
@@ -38,6 +39,7 @@ from tandem_core.server.generate import Outcome, run_job
 from tandem_core.server.grammar import Grammars
 from tandem_core.server.ledger import Ledger, UsageRow
 from tandem_core.server.metrics import Metrics
+from tandem_core.server.openapi import openapi
 from tandem_core.server.prepare import Job, ModelNotServed, prepare_chat, prepare_completion
 from tandem_core.server.sidelane import SideJob, SideLane, is_short
 from tandem_core.server.stream import (
@@ -90,8 +92,12 @@ class ServerState:
         # before the caches: the self-check leaves the engine reset
         self.spec = build_speculation(served, engines, options.spec or SpecOptions(drafters=()),
                                       profile=served.engine.caps.dtype)
-        self.caches: ServerCaches | None = (build_caches(served, engines, options.caches)
-                                            if options.caches is not None else None)
+        try:
+            self.caches: ServerCaches | None = (build_caches(served, engines, options.caches)
+                                                if options.caches is not None else None)
+        except BaseException:
+            self.spec.wait()    # its background self-check must not outlive a state that never started
+            raise
         self.admission = Admission(engines, options.queue)
         gate = self.caches.gate if self.caches is not None else None
         self.lanes = [SideLane(served, options.queue, gate, enabled=options.side_lane and e.caps.resume)
@@ -116,6 +122,23 @@ class ServerState:
                   f"tandem_side_lane_waiting {sum(len(lane) for lane in self.lanes)}"]
         if self.caches is not None:
             lines += self.caches.metric_lines()
+        return lines + self._engine_lines()
+
+    def _engine_lines(self) -> list[str]:
+        """Where the engines run, their memory by part and device, and the widths captured as graphs."""
+        caps = self.served.engine.caps
+        lines = ["# HELP tandem_engine_info The engines' device, dtype and widest verify (value 1).",
+                 "# TYPE tandem_engine_info gauge",
+                 f'tandem_engine_info{{device="{caps.device}",dtype="{caps.dtype}",max_tree="{caps.max_tree}"}} 1',
+                 "# HELP tandem_engine_memory_bytes Memory each engine holds, by part and device.",
+                 "# TYPE tandem_engine_memory_bytes gauge"]
+        for i, slot in enumerate(self.admission.slots):
+            for part in slot.engine.memory_parts():
+                lines.append(f'tandem_engine_memory_bytes{{engine="{i}",part="{part.name}",device="{part.device}"}} '
+                             f"{part.nbytes}")
+        lines += ["# HELP tandem_engine_graph_widths Verify widths captured as CUDA graphs (none: eager).",
+                  "# TYPE tandem_engine_graph_widths gauge"]
+        lines += [f'tandem_engine_graph_widths{{width="{w}"}} 1' for w in caps.graph_widths]
         return lines
 
     def _gauges(self) -> dict[str, float]:
@@ -283,6 +306,34 @@ def _error(status: int, message: str, *, param: str | None = None, kind: str = "
                         status_code=status, headers=headers)
 
 
+def _openai_errors(app: Any) -> None:
+    """Every error on every route and method in OpenAI's shape: ``{"error": {message, type, param, code}}``
+    (FastAPI's own 404/405/422 say ``{"detail": ...}``, an unhandled exception plain text)."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+
+    async def http_error(request: Request, exc: HTTPException) -> Any:
+        what = {404: f"no route {request.method} {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, what, code=codes.get(exc.status_code),
+                      headers=dict(exc.headers) if exc.headers else None)
+
+    async def validation_error(request: Request, exc: RequestValidationError) -> Any:
+        first = (exc.errors() or [{}])[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return _error(422, f"{where or 'request'}: {first.get('msg', 'invalid')}", param=where)
+
+    async def internal_error(request: Request, exc: Exception) -> Any:
+        log.error("%s %s failed: %s", request.method, request.url.path, type(exc).__name__)
+        return _error(500, "the server failed on this request (see its log)", kind="server_error")
+
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)
+
+
 def _prompt_field(job: Job) -> str:
     return "messages" if job.endpoint == "chat" else "prompt"
 
@@ -386,6 +437,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
 
     app = FastAPI(title="TandemLLM", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.tandem = state
+    _openai_errors(app)
 
     if options.api_key:
         app.add_middleware(_BearerAuth, key=options.api_key)
@@ -401,6 +453,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             "load_stages": info.get("load_stages", []),
             "memory": [{"name": m.name, "bytes": m.nbytes, "device": m.device} for m in eng.memory_parts()],
             "engine": {"device": eng.caps.device, "dtype": eng.caps.dtype, "max_context": state.max_context,
+                       "graph_widths": list(eng.caps.graph_widths), "max_tree": eng.caps.max_tree,
                        "engines": len(state.admission.slots), "busy": state.admission.busy,
                        "waiting": len(state.admission.waiting), "queue": state.admission.limit,
                        "side_lane": {"waiting": sum(len(lane) for lane in state.lanes),
@@ -409,6 +462,10 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
             "speculation": state.spec.health(),
             "info": info,
         })
+
+    @app.get("/openapi.json")
+    async def openapi_doc() -> Any:
+        return _json(openapi(served.model_id))
 
     @app.get("/v1/models")
     async def models() -> Any:
@@ -421,15 +478,16 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def handle(request: Request, endpoint: str) -> Any:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "body: not valid JSON", param="body")
-        try:
+        raw = await request.body()
+
+        def prepare() -> Job:
+            body = read_body(raw)           # the depth limit before anything recurses into it
             if endpoint == "chat":
-                job = await asyncio.to_thread(prepare_chat, body, served, state.max_context, state.grammars)
-            else:
-                job = await asyncio.to_thread(prepare_completion, body, served, state.max_context)
+                return prepare_chat(body, served, state.max_context, state.grammars)
+            return prepare_completion(body, served, state.max_context)
+
+        try:
+            job = await asyncio.to_thread(prepare)
         except FieldError as exc:
             return _error(400, exc.message, param=exc.field)
         except ModelNotServed as exc:

@@ -34,7 +34,7 @@ import math
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
@@ -47,11 +47,13 @@ from tandem_core.cache.gate import GateResult, MemoryGate, MemoryGateError, huma
 from tandem_core.cache.resident import ResidentPrefix
 from tandem_core.cache.stack import CacheStack
 from tandem_core.engine import Engine
+from tandem_core.server.cachedir import CacheDirectoryBusy, cache_directory, lock_directory, lock_path, parse_bytes
 from tandem_core.serving import Served, Tokenizer
 from tandem_core.state import ModelState, StateMismatch, View
 
 __all__ = [
     "CacheOptions", "CacheDirectoryBusy", "EngineCaches", "ServerCaches", "build_caches", "fingerprint",
+    "lock_directory",
     "workspace_estimate", "base_bytes", "state_is_live", "parse_bytes", "cache_directory",
     "GENERIC_ROW_BYTES",
 ]
@@ -72,38 +74,15 @@ class CacheOptions:
     ``chunk``           prefill chunk of the cache stack (tokens; chunks also split at anchor points;
                         0: the engine's ``caps.prefill_chunk``, 512 when it says none)
     ``keep_displaced``  a resident session losing at least this many tokens goes to the store first
+    ``lock``            the directory's lock, already held (``lock_directory``: ``tandem serve`` takes it
+                        before the weights load); None: ``build_caches`` takes it
     """
 
     directory: Path | None = None
     mem_peak: int | None = None
     chunk: int = 0
     keep_displaced: int = 256
-
-
-class CacheDirectoryBusy(RuntimeError):
-    """Another process holds this model's cache directory."""
-
-
-_UNITS = {"": 1, "k": 1000, "m": 1000 ** 2, "g": 1000 ** 3, "t": 1000 ** 4,
-          "ki": 1024, "mi": 1024 ** 2, "gi": 1024 ** 3, "ti": 1024 ** 4}
-
-
-def parse_bytes(text: str) -> int:
-    """``"24000000000"``, ``"24G"``, ``"22.5GiB"``, ``"512Mi"`` -> bytes. Fails naming the text."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
-    if not m:
-        raise ValueError(f"{text!r} is not a size in bytes (e.g. 24000000000, 24G, 22.5GiB)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-
-
-def cache_directory(model_id: str, directory: Path | None = None) -> Path:
-    """``directory``, or ``<TANDEM_HOME>/cache/<model id>`` (the id made safe as one path component)."""
-    if directory is not None:
-        return Path(directory).expanduser()
-    from tandem_core.catalog import home
-
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_id).strip("._") or "model"
-    return home() / "cache" / safe
+    lock: IO[str] | None = field(default=None, compare=False, repr=False)
 
 
 def fingerprint(engine: Engine, tokenizer: Tokenizer) -> str:
@@ -403,17 +382,6 @@ class ServerCaches:
                 self._lock_file = None
 
 
-def _lock(directory: Path) -> IO[str]:
-    f = open(directory / "lock", "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise CacheDirectoryBusy(f"cache directory {directory} is in use by another tandem process; give "
-                                 f"this one its own with --cache-dir DIR, or use --no-cache") from None
-    return f
-
-
 def build_caches(served: Served, engines: Sequence[Engine], options: CacheOptions) -> ServerCaches | None:
     """The caches of ``engines`` (all of ``served``'s model), or None (with a log line) when an engine
     cannot be cached. ``CacheDirectoryBusy`` when another process holds the directory."""
@@ -434,9 +402,12 @@ def build_caches(served: Served, engines: Sequence[Engine], options: CacheOption
     fp = fingerprint(first, served.tokenizer)
     directory = cache_directory(served.model_id, options.directory)
     directory.mkdir(parents=True, exist_ok=True)
-    lock = _lock(directory)
+    lock = options.lock if options.lock is not None else lock_path(directory)
     try:
-        ctx = CacheContext(fp, directory, device=first.caps.device, cost=CostModel())
+        on_gpu = first.caps.device.startswith("cuda")
+        # the resident prefix and its anchors live with the engine (device memory); the snapshot store on the
+        # host, page-locked when the engine is on a GPU (a restore is then a DMA, not a pageable copy)
+        ctx = CacheContext(fp, directory, device="cpu", pin=on_gpu, cost=CostModel())
         lower: list[SnapshotTier] = []
         for name, path in tiers.items():
             if name in ("resident", "spill"):
@@ -450,7 +421,9 @@ def build_caches(served: Served, engines: Sequence[Engine], options: CacheOption
         resident_cls = import_string(tiers["resident"])
         residents: list[ResidentPrefix] = [resident_cls.build(ctx) for _ in engines]
         peak = int(SETTINGS.get("MEM_PEAK")) if options.mem_peak is None else int(options.mem_peak)
-        gated: list[Releasable] = [*residents, *(t for t in lower if isinstance(t, Releasable))]
+        # the gate measures the engine's device: what it may give back is what lives there (on a GPU, the
+        # resident prefixes and their anchors; the host-side store is not device memory)
+        gated: list[Releasable] = [*residents, *(t for t in lower if isinstance(t, Releasable) and not on_gpu)]
         chunk = options.chunk or first.caps.prefill_chunk or 512
         gate = _SharedGate(workspace_estimate(first, chunk, served.tokenizer.vocab_size),
                            first.state.view_bytes_per_token(), gated, peak_bytes=peak,

@@ -106,7 +106,11 @@ def _messages(x: Any) -> str | None:
 
 
 def _stop(x: Any) -> str | None:
-    if x is None or isinstance(x, str):
+    if x is None:
+        return None
+    if x == "" or isinstance(x, list) and "" in x:
+        return "must not hold an empty string"
+    if isinstance(x, str):
         return None
     if isinstance(x, list) and len(x) <= 16 and all(isinstance(s, str) for s in x):
         return None

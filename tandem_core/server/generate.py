@@ -76,7 +76,8 @@ class _Reader:
 
         spec = job.parse
         assert spec is not None
-        self.parser = OutputParser(spec.tool_format, spec.reasoning, spec.think_in_prompt, spec.tools)
+        self.parser = OutputParser(spec.tool_format, spec.reasoning, spec.think_in_prompt, spec.tools,
+                                   keep_malformed=not spec.forced)
         self.rid = job.rid
         self.calls_ended = 0
 

@@ -4,9 +4,16 @@
 tokenizer's ``tokenizer.json``) and compiles Lark grammars into ``GrammarConstraint``s,
 which the decode loop asks for a mask before each draw.
 
-- ``response_format`` json_object / json_schema: ``json_grammar(schema, think)``.
-- ``tool_choice`` "required" or a named function: ``tool_grammar(tools, fmt, think, parallel)``,
-  in the model's own tool-call format (``hermes_json`` or ``qwen_xml``).
+- ``response_format`` json_object / json_schema: ``json_grammar(schema, think, budget)``.
+- ``tool_choice`` "required" or a named function: ``tool_grammar(tools, fmt, think, parallel, budget)``,
+  in the model's own tool-call format (``tandem_core.server.toolformat``).
+
+Both are bounded by the request's ``max_tokens`` (``budget``): the free parts (strings, arrays,
+numbers, the reasoning block, whitespace, the number of calls) get limits such that the
+longest answer the grammar admits, in UTF-8 bytes and so in tokens, fits the budget
+(``tandem_core.server.bounds``). A weak model's answer is then complete and valid when the
+budget runs out, however it spends it; ``GrammarConstraint.done`` ends the answer as soon as
+only a stop could follow.
 
 ``think`` says how a reasoning block precedes the constrained part: ``"none"`` (no
 thinking), ``"open"`` (the prompt opened ``<think>``: free text up to ``</think>``), or
@@ -22,9 +29,16 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from tandem_core.server.bounds import BoundError, choose, json_rule, raw_string_bytes, tighten, worst_bytes
+from tandem_core.server.toolformat import tool_format
 from tandem_core.serving import Tokenizer
 
-__all__ = ["GrammarError", "Grammars", "GrammarConstraint", "available"]
+__all__ = ["GrammarError", "Grammars", "GrammarConstraint", "available", "MAX_CALLS"]
+
+UNBOUNDED = 1 << 24     # a budget no answer reaches: no bound beyond the ladder's most generous rung
+MAX_CALLS = 8           # the most calls one forced answer holds (with parallel_tool_calls)
+WS_RULE = "ws: /[ \\t\\r\\n]{0,2}/"   # the format's whitespace between parts: at most 2 bytes
+WS_BYTES = 2
 
 
 class GrammarError(ValueError):
@@ -39,28 +53,49 @@ def available(tokenizer: Tokenizer) -> bool:
 
 
 class GrammarConstraint:
-    """One request's grammar state (the loop's ``Constraint``)."""
+    """One request's grammar state (the loop's ``Constraint``).
 
-    def __init__(self, matcher: Any, n_vocab: int) -> None:
+    ``done()`` is True once the grammar admits nothing but a stop: when the matcher stopped, or when
+    the only tokens it still allows are stop tokens (the answer is complete; the loop ends it there
+    instead of waiting for the model to pick the stop). It computes the next mask to tell, and
+    ``allowed`` hands that same mask out: one mask a step either way.
+    """
+
+    def __init__(self, matcher: Any, n_vocab: int, stop_ids: Sequence[int] = ()) -> None:
         self.matcher = matcher
         self.n_vocab = n_vocab
+        self.stop_ids = [i for i in stop_ids if 0 <= i < n_vocab]
         self._shifts = torch.arange(32, dtype=torch.int32)
+        self._mask: torch.Tensor | None = None   # bool [n_vocab] for the next token, when computed
+
+    def _next(self) -> torch.Tensor:
+        if self._mask is None:
+            words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(n/32)]
+            bits = ((words.unsqueeze(-1) >> self._shifts) & 1).reshape(-1).bool()  # [32 * words]
+            self._mask = bits[: self.n_vocab]
+        return self._mask
 
     def allowed(self, vocab: int) -> torch.Tensor:
         """bool ``[vocab]``: True where the grammar allows the token (ids past the tokenizer's are never allowed)."""
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(n/32)]
-        bits = ((words.unsqueeze(-1) >> self._shifts) & 1).reshape(-1).bool()  # [32 * words]
+        bits = self._next()
         out = torch.zeros(vocab, dtype=torch.bool)
-        n = min(vocab, self.n_vocab, bits.numel())
+        n = min(vocab, bits.numel())
         out[:n] = bits[:n]
         return out
 
     def advance(self, token: int) -> None:
+        self._mask = None
         if not self.matcher.consume_token(token):
             raise GrammarError(f"grammar refused token {token}: {self.matcher.get_error()}")
 
     def done(self) -> bool:
-        return bool(self.matcher.is_stopped())
+        if self.matcher.is_stopped():
+            return True
+        if not self.matcher.is_accepting():
+            return False
+        bits = self._next().clone()
+        bits[self.stop_ids] = False
+        return not bool(bits.any())
 
 
 class Grammars:
@@ -95,7 +130,7 @@ class Grammars:
         m = llguidance.LLMatcher(lt, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(m.get_error())
-        return GrammarConstraint(m, lt.vocab_size)
+        return GrammarConstraint(m, lt.vocab_size, self.stop_ids)
 
     # -- grammars -------------------------------------------------------------------------------------
 
@@ -106,81 +141,66 @@ class Grammars:
             return f"<[{tid}]>"
         return json.dumps(text, ensure_ascii=False)
 
-    def think_rules(self, think: str) -> tuple[str, list[str]]:
-        """(the start rule's prefix, extra rules) for a reasoning block before the constrained part."""
+    def think_rules(self, think: str, chars: int = UNBOUNDED) -> tuple[str, list[str], int]:
+        """(the start rule's prefix, extra rules, its most bytes) for a reasoning block of at most ``chars``
+        characters before the constrained part (``chars`` 0: the block must close at once)."""
         if think == "none":
-            return "", []
+            return "", [], 0
         open_, close = self.literal("<think>"), self.literal("</think>")
+        span = "*" if chars >= UNBOUNDED else f"{{0,{max(0, chars)}}}"
         # a special token never occurs inside text, so the body can be greedy before one
-        body = 'THINK_BODY: /(?s:.*)/' if close.startswith("<[") else \
-            'think_body[suffix=' + close + ']: /(?s:.*)/'
+        body = f"THINK_BODY: /(?s:.{span})/" if close.startswith("<[") else \
+            f"think_body[suffix={close}]: /(?s:.{span})/"
         block = f"THINK_BODY {close}" if close.startswith("<[") else "think_body"
+        size = len("<think></think>".encode()) + raw_string_bytes(min(chars, UNBOUNDED)) + WS_BYTES
         if think == "open":
-            return f"{block} ws ", [body]
-        return f"({open_} {block})? ws ", [body]
+            return f"{block} ws ", [body], size
+        return f"({open_} {block})? ws ", [body], size
 
-    def json_grammar(self, schema: Mapping[str, Any] | None, think: str = "none") -> str:
-        """Lark for a JSON value: any object when ``schema`` is None (json_object), else the schema's."""
+    def json_grammar(self, schema: Mapping[str, Any] | None, think: str = "none", budget: int | None = None) -> str:
+        """Lark for a JSON value: any object when ``schema`` is None (json_object), else the schema's; bounded
+        (``tandem_core.server.bounds``) so that it closes within ``budget`` tokens (None: no budget)."""
         schema = {"type": "object"} if schema is None else dict(schema)
-        prefix, rules = self.think_rules(think)
+        avail = (UNBOUNDED if budget is None else budget) - 1           # the stop token
+        target = avail if think == "none" else avail // 2
+        try:
+            bounds, size = choose(lambda b: worst_bytes(tighten(schema, b)), target)
+            bounded = tighten(schema, bounds)
+        except BoundError as exc:
+            raise GrammarError(str(exc)) from exc
+        prefix, rules, _ = self.think_rules(think, self._think_chars(think, avail - size))
         return "\n".join([
             f"start: {prefix}answer",
-            "answer: %json " + json.dumps(schema, ensure_ascii=False),
-            "ws: /[ \\t\\r\\n]*/",
+            "answer: " + json_rule(bounded),
+            WS_RULE,
             *rules,
         ])
 
+    @staticmethod
+    def _think_chars(think: str, left: int) -> int:
+        if think == "none":
+            return 0
+        return max(0, left - len("<think></think>".encode()) - WS_BYTES) // 4
+
     def tool_grammar(self, tools: Sequence[Mapping[str, Any]], fmt: str, think: str = "none",
-                     parallel: bool = True) -> str:
-        """Lark for one or more calls of ``tools`` (OpenAI function tools) in the model's format."""
+                     parallel: bool = True, budget: int | None = None) -> str:
+        """Lark for one or more calls of ``tools`` (OpenAI function tools) in the model's format, bounded so
+        that the calls close within ``budget`` tokens (None: no budget): the arguments' free parts by the
+        most generous ``LADDER`` rung that fits, at most ``MAX_CALLS`` calls (one without ``parallel``)."""
         if not tools:
             raise GrammarError("tool_choice asks for a tool call but no tool is given")
-        prefix, rules = self.think_rules(think)
-        open_, close = self.literal("<tool_call>"), self.literal("</tool_call>")
-        calls = "call (ws call)*" if parallel else "call"
-        lines = [f"start: {prefix}{calls}", "ws: /[ \\t\\r\\n]*/", *rules]
-        if fmt == "hermes_json":
-            variants = []
-            for t in tools:
-                fn = t["function"]
-                variants.append({"type": "object", "properties": {
-                    "name": {"const": fn["name"]},
-                    "arguments": fn.get("parameters") or {"type": "object"}},
-                    "required": ["name", "arguments"], "additionalProperties": False})
-            body = variants[0] if len(variants) == 1 else {"anyOf": variants}
-            lines += [f"call: {open_} ws body ws {close}",
-                      "body: %json " + json.dumps(body, ensure_ascii=False)]
-        elif fmt == "qwen_xml":
-            names = []
-            for i, t in enumerate(tools):
-                fn = t["function"]
-                params = (fn.get("parameters") or {}).get("properties") or {}
-                pnames = []
-                for j, (pname, pschema) in enumerate(params.items()):
-                    pnames.append(f"p{i}_{j}")
-                    lines.append(f"p{i}_{j}: " + json.dumps(f"<parameter={pname}>\n", ensure_ascii=False)
-                                 + f" v{i}_{j} \"\\n\"")
-                    lines.extend(_xml_value(f"v{i}_{j}", pschema))
-                params_rule = f"(({' | '.join(pnames)}))*" if pnames else ""
-                names.append(f"f{i}")
-                lines.append(f"f{i}: " + json.dumps(f"<function={fn['name']}>\n", ensure_ascii=False)
-                             + f" {params_rule} \"</function>\"")
-            lines.append(f"call: {open_} ws ({' | '.join(names)}) ws {close}")
-        else:
+        form = tool_format(fmt)
+        if form is None:
             raise GrammarError(f"tool_choice needs the model's tool-call format; {fmt!r} has none")
-        return "\n".join(lines)
+        avail = (UNBOUNDED if budget is None else budget) - 1           # the stop token
+        target = avail if think == "none" else avail // 2
+        try:
+            bounds, size = choose(lambda b: form.call_rules(tools, self.literal, b)[1], target)
+            lines, size = form.call_rules(tools, self.literal, bounds)
+        except BoundError as exc:
+            raise GrammarError(str(exc)) from exc
+        n = 1 if not parallel else max(1, min(MAX_CALLS, target // (size + WS_BYTES)))
+        calls = "call" + " (ws call" * (n - 1) + ")?" * (n - 1)
+        prefix, rules, _ = self.think_rules(think, self._think_chars(think, avail - n * (size + WS_BYTES)))
+        return "\n".join([f"start: {prefix}{calls}", WS_RULE, *rules, *lines])
 
-
-def _xml_value(rule: str, schema: Any) -> list[str]:
-    """A parameter's value, typed by its JSON schema, then ``\\n</parameter>``."""
-    end = json.dumps("\n</parameter>")
-    t = schema.get("type") if isinstance(schema, Mapping) else None
-    if t == "integer":
-        return [f"{rule}: /-?[0-9]+/ {end}"]
-    if t == "number":
-        return [f"{rule}: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/ {end}"]
-    if t == "boolean":
-        return [f"{rule}: (\"true\" | \"false\") {end}"]
-    if t in ("object", "array"):
-        return [f"{rule}: %json {json.dumps(schema, ensure_ascii=False)} {end}"]
-    return [f"{rule}[suffix={end}]: /(?s:.*)/"]

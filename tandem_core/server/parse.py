@@ -41,7 +41,8 @@ output ends, unexpected text inside) is never dropped: ``Malformed(reason)``
 (the reason names no text) and then the call's raw text, from the whitespace
 before ``<tool_call>`` to ``</tool_call>``, as ``Content``. A call that had
 begun and then turns out malformed gets no ``ToolCallEnd``: its deltas are void
-and its index is not reused.
+and its index is not reused. With ``keep_malformed=False`` (a call a grammar forced) the raw
+text is dropped instead: the model's markup never reaches content.
 """
 
 from __future__ import annotations
@@ -145,13 +146,17 @@ class OutputParser:
     tools           the request's tools (OpenAI form) or None: names a call may use, schemas that type
                     XML parameter values
     id_prefix       call ids are ``call_<id_prefix>_<index>``; random when None
+    keep_malformed  a malformed call's raw text becomes Content (False: it is dropped, for a call a grammar
+                    forced: its markup never reaches content, even when the budget cut it short)
     """
 
     def __init__(self, tool_format: str, reasoning: bool, think_in_prompt: bool,
-                 tools: Sequence[dict[str, Any]] | None = None, *, id_prefix: str | None = None) -> None:
+                 tools: Sequence[dict[str, Any]] | None = None, *, id_prefix: str | None = None,
+                 keep_malformed: bool = True) -> None:
         if tool_format not in TOOL_FORMATS:
             raise ValueError(f"tool_format {tool_format!r}: expected one of {', '.join(TOOL_FORMATS)}")
         self.tool_format = tool_format
+        self._keep_malformed = keep_malformed
         self._schemas = _tool_schemas(tools)
         self._prefix = id_prefix if id_prefix is not None else secrets.token_hex(6)
         self._buf = ""
@@ -547,12 +552,12 @@ class OutputParser:
         self._json = None
         self._lead = False
         self._kind = Content
-        if raw:
+        if raw and self._keep_malformed:
             self._push(out, Content(raw))
         return self._goto(_PASS)
 
     def _raw_content(self, out: list[Event], text: str) -> None:
-        if text:
+        if text and self._keep_malformed:
             self._lead = False
             self._push(out, Content(text))
 

@@ -7,6 +7,7 @@ loop (rendering, tokenising and compiling a grammar take time).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,16 +15,15 @@ from typing import Any, Mapping, Sequence
 
 from tandem_core.server.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldError, check
 from tandem_core.server.grammar import GrammarConstraint, GrammarError, Grammars, available
+from tandem_core.server.messages import check_messages
 from tandem_core.server.parse import think_open_at_end
 from tandem_core.server.template import TemplateError, render_chat
+from tandem_core.server.toolformat import tool_format
 from tandem_core.serving import Served
 from tandem_core.spec.loop import DecodeRequest
 from tandem_core.spec.sampler import SamplingParams, random_seed
 
 __all__ = ["Job", "ParseSpec", "ModelNotServed", "prepare_chat", "prepare_completion"]
-
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
 
 class ModelNotServed(LookupError):
     """The request names a model this server does not serve (404)."""
@@ -37,6 +37,7 @@ class ParseSpec:
     reasoning: bool
     think_in_prompt: bool
     tools: list[dict[str, Any]] | None
+    forced: bool = False    # a grammar forces the calls: a call's markup never becomes content
 
 
 @dataclass
@@ -64,23 +65,6 @@ def _model(body: Mapping[str, Any], served: Served) -> str:
     if name is not None and name != served.model_id:
         raise ModelNotServed(f"model: {name!r} is not served here; this server serves {served.model_id!r}")
     return served.model_id
-
-
-def _messages(messages: Sequence[Any]) -> None:
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise FieldError(f"messages[{i}]", "must be an object")
-        if m.get("role") not in _ROLES:
-            raise FieldError(f"messages[{i}].role", f"must be one of {', '.join(sorted(_ROLES))}")
-        content = m.get("content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, Mapping) else None
-                if kind != "text":
-                    raise FieldError(f"messages[{i}].content[{j}].type",
-                                     f"{kind!r} parts are not served (text only)")
-        elif content is not None and not isinstance(content, str):
-            raise FieldError(f"messages[{i}].content", "must be a string, a list of text parts, or null")
 
 
 def _max_tokens(asked: int | None, prompt_len: int, max_context: int, field: str) -> tuple[int, int | None]:
@@ -143,7 +127,7 @@ def prepare_chat(body: Mapping[str, Any], served: Served, max_context: int, gram
     model = _model(body, served)
     if "messages" not in body:
         raise FieldError("messages", "is required")
-    _messages(body["messages"])
+    check_messages(body["messages"])
     tools = body.get("tools") or None
     choice = body.get("tool_choice", "auto" if tools else "none")
     forced: list[dict[str, Any]] | None = None
@@ -160,10 +144,7 @@ def prepare_chat(body: Mapping[str, Any], served: Served, max_context: int, gram
     active_tools = None if choice == "none" else tools
     kwargs = dict(body.get("chat_template_kwargs") or {})
     thinking = served.reasoning and kwargs.get("enable_thinking", True) is not False
-    try:
-        prompt = render_chat(served, body["messages"], tools=active_tools, template_kwargs=kwargs)
-    except TemplateError as exc:
-        raise FieldError("messages", str(exc)) from exc
+    prompt = _render(served, body["messages"], active_tools, kwargs)
     ids = served.tokenizer.encode(prompt)
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
     max_new, capped = _max_tokens(asked, len(ids), max_context, "messages")
@@ -174,20 +155,46 @@ def prepare_chat(body: Mapping[str, Any], served: Served, max_context: int, gram
     parallel = body.get("parallel_tool_calls", True) is not False
     in_think = thinking and think_open_at_end(prompt)  # the template opened <think>: the output starts inside
     think = "none" if not thinking else ("open" if in_think else "maybe")
-    constraint = _constraint(body, served, grammars, forced, think, parallel)
+    constraint = _constraint(body, served, grammars, forced, think, parallel, max_new)
     rid = "chatcmpl-" + uuid.uuid4().hex[:24]
     return Job(
         rid=rid, endpoint="chat", model=model, created=int(ts), t_arrival=t0, ts=ts,
         decode=DecodeRequest(ids, max_new, _sampling(body, served, top), _stop_ids(served), _stops(body)),
         stream=bool(body.get("stream")), include_usage=_stream_options(body), logprobs=logprobs,
         parse=ParseSpec(served.tool_format if active_tools else "none", thinking, in_think,
-                        list(active_tools) if active_tools else None),
+                        list(active_tools) if active_tools else None, forced=forced is not None),
         constraint=constraint, parallel_tool_calls=parallel, capped_from=capped,
     )
 
 
-def _constraint(body: Mapping[str, Any], served: Served, grammars: Grammars,
-                forced: list[dict[str, Any]] | None, think: str, parallel: bool) -> GrammarConstraint | None:
+def _render(served: Served, messages: Sequence[Any], tools: list[dict[str, Any]] | None,
+            kwargs: Mapping[str, Any]) -> str:
+    """The prompt. A template that never reads ``tool_calls`` gets an assistant's calls written into its
+    content in the model's format (the model sees what it called); one that never reads ``tools`` gets
+    the tools as the format's own system text. A template failure names the message and its part."""
+    form = tool_format(served.tool_format)
+    template = served.chat_template or ""
+    shift = 0
+    calls_as_text = form.render_calls if form is not None and "tool_calls" not in template else None
+    if tools and form is not None and "tools" not in template:
+        note = form.render_tools(tools)
+        first = messages[0] if messages else None
+        if isinstance(first, Mapping) and first.get("role") in ("system", "developer"):
+            text = "".join(p.get("text", "") for p in first["content"]) if isinstance(first.get("content"), list) \
+                else (first.get("content") or "")
+            messages = [{**first, "role": "system", "content": f"{text}\n\n{note}" if text else note},
+                        *messages[1:]]
+        else:
+            messages, shift = [{"role": "system", "content": note}, *messages], 1
+    try:
+        return render_chat(served, messages, tools=tools, template_kwargs=kwargs, calls_as_text=calls_as_text)
+    except TemplateError as exc:
+        field = re.sub(r"^messages\[(\d+)\]", lambda m: f"messages[{max(0, int(m.group(1)) - shift)}]", exc.field)
+        raise FieldError(field, str(exc)) from exc
+
+
+def _constraint(body: Mapping[str, Any], served: Served, grammars: Grammars, forced: list[dict[str, Any]] | None,
+                think: str, parallel: bool, budget: int) -> GrammarConstraint | None:
     rf = body.get("response_format") or {"type": "text"}
     field = None
     if rf["type"] != "text":
@@ -203,10 +210,10 @@ def _constraint(body: Mapping[str, Any], served: Served, grammars: Grammars,
     try:
         if field == "response_format":
             schema = None if rf["type"] == "json_object" else (rf.get("json_schema") or {}).get("schema", {})
-            lark = grammars.json_grammar(schema, think)
+            lark = grammars.json_grammar(schema, think, budget)
         else:
             assert forced is not None
-            lark = grammars.tool_grammar(forced, served.tool_format, think, parallel)
+            lark = grammars.tool_grammar(forced, served.tool_format, think, parallel, budget)
         return grammars.constraint(lark)
     except GrammarError as exc:
         where = "response_format.json_schema" if field == "response_format" else "tool_choice"

@@ -14,7 +14,7 @@ of a verify is a staircase in its width (flat within a tile, a step at the
 next), so the best cut often sits just below a step.
 
 The price comes from a price file written by the benchmark (``PriceTable``,
-``registry/prices/<model>/<profile>.<device>.json``) or, without one, is learned
+``tandem_core/shipped/prices/<model>/<profile>.<device>.json``) or, without one, is learned
 online from the loop's own measured verify times (``OnlinePrices``). The
 acceptance comes from the drafters' probabilities, calibrated online against
 what the walk accepted (``Calibration``, one monotone curve per source).

@@ -38,24 +38,16 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Sequence, cast, runtime_checkable
+from typing import Protocol, Sequence, cast, runtime_checkable
 
 import torch
 
-from tandem_core.engine import TreeEngine, restore_state
+from tandem_core.engine import Trace, TreeEngine, restore_state
 from tandem_core.state import ModelState
 
 __all__ = ["SelfCheck", "Mismatch", "Trace", "LayerTrace", "run_selfcheck", "PROMPT_TOKENS"]
 
 PROMPT_TOKENS = 16   # the default prompt: this many ids drawn from the seed
-
-
-class Trace(NamedTuple):
-    """Hidden rows at an engine's capture points, in forward order (``"layer 3 mlp"``, ...)."""
-
-    points: tuple[str, ...]
-    rows: tuple[torch.Tensor, ...]    # rows[j]: [T, H] at points[j]
-    logits: torch.Tensor              # [T, V]
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ from tandem_core.registry import Arch
 @hookimpl
 def tandem_architectures(register):
     register(Arch("replay_test", ("ReplayForTest",), ("replay_test",), "replay_plugin:read_config",
-                  "replay_plugin:ReplayEngine", "tandem-replay-test", "replay_plugin:serve"))
+                  "tandem-replay-test", "replay_plugin:serve"))
 
 
 def read_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -125,9 +125,6 @@ class ReplayEngine:
         self.kv.length = 0
         self._live.length = 0
         self._script = None
-
-    def cache_state(self) -> Any:
-        return self._live
 
     def manifest(self) -> Any:
         from tandem_core.engine import Manifest

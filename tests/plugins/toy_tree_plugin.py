@@ -1,4 +1,4 @@
-"""Serves ``ToyTreeEngine`` (a tree-verifying toy model) through the hooks, for server speculation tests.
+"""Serves the toy tree runner (a tree-verifying toy model, ``toy_tree_runner``) through the hooks, for server speculation tests.
 
 The checkpoint is a directory with ``config.json`` (``{"architectures": ["ToyTreeForTest"], "vocab": V,
 "seed": S}``) and a word-level ``tokenizer.json`` of ``w0 .. w{V-1}`` (``w0`` ends a turn).
@@ -16,7 +16,7 @@ from tandem_core.registry import Arch
 @hookimpl
 def tandem_architectures(register):
     register(Arch("toytree", ("ToyTreeForTest",), ("toytree",), "toy_tree_plugin:read_config",
-                  "toy_tree_engine:ToyTreeEngine", "tandem-toytree", "toy_tree_plugin:serve"))
+                  "tandem-toytree", "toy_tree_plugin:serve"))
 
 
 def read_config(raw):
@@ -36,16 +36,16 @@ def write_model(d: Path, vocab: int = 48, seed: int = 0) -> Path:
 
 
 def serve(args, ctx):
-    from toy_tree_engine import ToyTreeEngine
+    from toy_tree_runner import toy_tree_engine
 
     from tandem_core.serving import Served
     from tandem_core.tokenizer import HFTokenizer
 
     d = Path(args.path)
     cfg = json.loads((d / "config.json").read_text())
-    eng = ToyTreeEngine(vocab=cfg["vocab"], seed=cfg["seed"], max_context=args.max_context)
+    eng = toy_tree_engine(vocab=cfg["vocab"], seed=cfg["seed"], max_context=args.max_context)
     tok = HFTokenizer.from_file(d / "tokenizer.json", eos_tokens=["w0"])
     ctx.mark("engine")
     return Served(args.model_id, eng, tok, chat_template="{% for m in messages %}{{ m.content }} {% endfor %}",
                   tool_format="none", stop_ids=tok.eos_token_ids, info={"weights": str(d)},
-                  spawn=lambda: ToyTreeEngine(vocab=cfg["vocab"], seed=cfg["seed"], max_context=args.max_context))
+                  spawn=lambda: toy_tree_engine(vocab=cfg["vocab"], seed=cfg["seed"], max_context=args.max_context))

@@ -16,9 +16,9 @@ ARCH = Arch(
     architectures=("LlamaForCausalLM",),
     model_types=("llama",),
     config="tandem_llama.config:read_config",
-    engine="tandem_llama.model:LlamaEngine",
     package="tandem-llama",
     serve="tandem_llama.serving:serve",
+    runs=(("cpu", ("fp32",)), ("cuda", ("bf16", "fp32"))),
 )
 
 # format name -> class, by import path (the factory imports torch only when a weight is made)

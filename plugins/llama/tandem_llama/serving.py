@@ -10,6 +10,11 @@ safetensors shards, ``tokenizer.json`` and the template of
 Llama models write tool calls in the Hermes JSON form and no ``<think>`` block.
 Options read (``ServeArgs.options``): ``max_tree``, the widest tree one verify
 carries (default 64).
+
+On the CPU the engine computes in fp32 over the file's own formats. On a CUDA
+device (``args.device``) the weights are read lean (quantised, as stored) and
+moved one tensor at a time, dense in ``args.dtype`` (bf16 or fp32), to the device
+(``weights.on_device``): the host never holds more than one dequantised tensor.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from tandem_core.settings import SETTINGS
 from tandem_core.tokenizer import HFTokenizer, load_chat_template
 from tandem_llama.config import LlamaConfig, config_of, from_hf
 from tandem_llama.gguf_reader import GGUFFile, build_tokenizer, stop_ids
-from tandem_llama.model import LlamaEngine
-from tandem_llama.weights import LlamaWeights, load_gguf, load_hf
+from tandem_llama.model import build_engine
+from tandem_llama.weights import LlamaWeights, load_gguf, load_hf, on_device
 
 __all__ = ["resolve_path", "serve"]
 
@@ -50,13 +55,15 @@ def resolve_path(path: str | Path) -> tuple[str, Path]:
 
 
 def serve(args: ServeArgs, ctx: ServeContext) -> Served:
-    if args.device != "cpu":
-        raise ValueError(f"tandem-llama runs on the CPU; device {args.device!r} is not supported")
-    if args.dtype != "fp32":
-        raise ValueError(f"tandem-llama computes in fp32; dtype {args.dtype!r} is not supported")
+    device = torch.device(args.device)
+    dtypes = {"cpu": {"fp32": torch.float32}, "cuda": {"bf16": torch.bfloat16, "fp32": torch.float32}}
+    if args.dtype not in dtypes.get(device.type, {}):
+        raise ValueError(f"tandem-llama cannot run {args.dtype} on {args.device}: it runs fp32 on cpu; "
+                         f"bf16, fp32 on cuda")
     if args.threads:
         torch.set_num_threads(int(args.threads))
-    dense = bool(SETTINGS.get("LLAMA_DENSE"))
+    on_cuda = device.type == "cuda"
+    dense = bool(SETTINGS.get("LLAMA_DENSE")) and not on_cuda     # on CUDA: read lean, dequantise on the way
     chunk = int(SETTINGS.get("LLAMA_PREFILL_CHUNK"))
     max_tree = int(args.options.get("max_tree", 64))
     kind, path = resolve_path(args.path)
@@ -88,6 +95,8 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         template = load_chat_template(path)
         ctx.mark("tokenizer")
         weights = load_hf(path, cfg, dense=dense, progress=ctx.progress)
+    if on_cuda:
+        weights = on_device(weights, str(device), dtypes["cuda"][args.dtype], progress=ctx.progress)
     ctx.mark("weights")
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(
@@ -99,7 +108,8 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         ctx.log(f"llama: context capped at the model's {cfg.max_position_embeddings} tokens")
 
     def spawn() -> Engine:
-        return LlamaEngine(cfg, weights, max_context=max_ctx, prefill_chunk=chunk, max_tree=max_tree)
+        return build_engine(cfg, weights, max_context=max_ctx, prefill_chunk=chunk, max_tree=max_tree,
+                            device=str(device))
 
     engine = spawn()
     ctx.mark("engine")
@@ -125,7 +135,7 @@ def _info(
     path: Path,
     cfg: LlamaConfig,
     weights: LlamaWeights,
-    engine: LlamaEngine,
+    engine: Engine,
     tokenizer: HFTokenizer,
     ctx: ServeContext,
 ) -> dict[str, Any]:
@@ -133,6 +143,8 @@ def _info(
     return {
         "family": "llama",
         "format": "gguf" if kind == "gguf" else "safetensors",
+        "device": engine.caps.device,
+        "dtype": engine.caps.dtype,
         "path": str(path),
         "weights": {
             "files": [{"name": p.name, "bytes": p.stat().st_size} for p in weights.files],
@@ -148,7 +160,7 @@ def _info(
             "kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
             "vocab": cfg.vocab_size,
-            "max_context": engine.max_context,
+            "max_context": engine.caps.max_context,
             "rope_theta": cfg.rope_theta,
             "rope_scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.kind,
         },

@@ -35,6 +35,7 @@ from tandem_llama.formats import FORMAT_OF_QTYPE, FORMATS, GGMLWeight, as_raw, c
 from tandem_llama.gguf_reader import GGUFFile, GGUFTensor
 
 __all__ = [
+    "DenseEmbedding",
     "LayerWeights",
     "LlamaWeights",
     "audit_gguf",
@@ -45,6 +46,21 @@ __all__ = [
 ]
 
 Progress = Callable[[int, int, str], None]
+
+
+class DenseEmbedding:
+    """A dense embedding table ``[V, H]`` on a device: ``rows(ids)`` is the lookup (``GGMLWeight``'s verb)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.shape = (int(table.shape[0]), int(table.shape[1]))
+        self.nbytes = table.numel() * table.element_size()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.table)
+
+    def dense(self) -> torch.Tensor:
+        return self.table
 
 
 @dataclass(frozen=True)
@@ -59,7 +75,7 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class LlamaWeights:
-    embed: GGMLWeight  # [V, H]; ``rows(ids)`` is the lookup
+    embed: GGMLWeight | DenseEmbedding  # [V, H]; ``rows(ids)`` is the lookup
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor  # [H] fp32
     lm_head: Linear  # [V, H] (the embedding itself when tied)
@@ -86,6 +102,35 @@ class LlamaWeights:
 
 def _held(lin: Any) -> int:
     return int(lin.nbytes)
+
+
+def on_device(w: LlamaWeights, device: str, dtype: torch.dtype,
+              progress: Progress | None = None) -> LlamaWeights:
+    """``w`` with every weight dense on ``device`` in ``dtype`` (the GPU path multiplies dense weights:
+    ``tandem_core.ops.cuda_backend``'s row-invariant kernel for bf16, cuBLAS row by row otherwise), one tensor
+    at a time so the host holds one dequantised copy at most; ``progress`` gets bytes moved to the device."""
+    from tandem_core.linear import DenseLinear
+
+    total = w.nbytes() // 4 * torch.empty(0, dtype=dtype).element_size()
+    moved = 0
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        nonlocal moved
+        out = t.to(device=device, dtype=dtype)
+        moved += out.numel() * out.element_size()
+        if progress is not None:
+            progress(min(moved, total), total, f"to {device}")
+        return out
+
+    embed = DenseEmbedding(move(w.embed.dense()))
+    layers = tuple(LayerWeights(attn_norm=move(lw.attn_norm), qkv=DenseLinear(move(lw.qkv.dense())),
+                                o=DenseLinear(move(lw.o.dense())), mlp_norm=move(lw.mlp_norm),
+                                gate_up=DenseLinear(move(lw.gate_up.dense())), down=DenseLinear(move(lw.down.dense())))
+                   for lw in w.layers)
+    head = DenseLinear(embed.table) if w.head_tied else DenseLinear(move(w.lm_head.dense()))
+    rope = None if w.rope_freqs is None else w.rope_freqs.to(device)
+    return LlamaWeights(embed=embed, layers=layers, norm=move(w.norm), lm_head=head, rope_freqs=rope,
+                        files=w.files, formats=dict(w.formats), head_tied=w.head_tied, dense=True)
 
 
 def qk_unpermute(n_rows: int, n_head: int) -> torch.Tensor:

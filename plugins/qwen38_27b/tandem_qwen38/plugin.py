@@ -15,9 +15,9 @@ ARCH = Arch(
     architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
     model_types=("qwen3_5", "qwen3_5_text"),
     config="tandem_qwen38.config:read_config",
-    engine="tandem_qwen38.model:Qwen38Engine",
     package="tandem-qwen38",
     serve="tandem_qwen38.serving:serve",
+    runs=(("cpu", ("fp32", "bf16")), ("cuda", ("bf16", "fp32"))),
 )
 
 SETTINGS_DECLARED = (

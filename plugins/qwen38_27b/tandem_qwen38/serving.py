@@ -13,21 +13,23 @@ verify, default 64).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 from tandem_core.checkpoint.config import ConfigError
+from tandem_core.engine import Runner, SequenceEngine
 from tandem_core.serving import ServeArgs, ServeContext, Served
 from tandem_core.settings import SETTINGS
 from tandem_core.tokenizer import HFTokenizer, load_chat_template
 
 from tandem_qwen38.config import Qwen38Config, read_config
-from tandem_qwen38.model import Qwen38Engine
+from tandem_qwen38.model import Qwen38Runner
 from tandem_qwen38.weights import Qwen38Weights, load_weights, normalise_dtype, open_checkpoint
 
-__all__ = ["serve", "ServeError", "think_in_prompt", "build_engine", "prefill_chunk_for", "CPU_PREFILL_CHUNK",
-           "CUDA_PREFILL_CHUNK"]
+__all__ = ["serve", "ServeError", "think_in_prompt", "build_engine", "make_runner", "prefill_chunk_for",
+           "CPU_PREFILL_CHUNK", "CUDA_PREFILL_CHUNK"]
 
 CPU_PREFILL_CHUNK = 512      # the CPU path's chunk (memory for the chunk's activations stays small)
 CUDA_PREFILL_CHUNK = 8192    # the CUDA path's (H200, 27B shape: 11,000 tok/s at 8K against 10,977 in chunks of 4096)
@@ -37,9 +39,31 @@ class ServeError(RuntimeError):
     """The checkpoint directory cannot be served; the message names the file."""
 
 
-def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int,
-                 prefill_chunk: int, max_tree: int = 64) -> Qwen38Engine:
-    return Qwen38Engine(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk, max_tree=max_tree)
+def make_runner(cfg: Qwen38Config, weights: Qwen38Weights, *, max_context: int, prefill_chunk: int,
+                gdn_chunk: int = 64, max_tree: int = 64) -> Runner:
+    """The runner for where the weights are: the CUDA graph runner on a CUDA device with Triton and weights
+    its kernels read (bf16 dense; ``cuda_graphs.unsupported`` says why not otherwise), else the
+    plain-torch reference runner. On a CUDA device the CUDA kernels of the reference ops are registered
+    too (``tandem_core.ops.cuda_backend``)."""
+    if weights.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from tandem_core.ops import cuda_backend
+        from tandem_qwen38.cuda_graphs import unsupported
+
+        cuda_backend.install()
+        if unsupported(cfg, weights) is None:
+            from tandem_qwen38.cuda_runner import Qwen38CudaRunner
+
+            return Qwen38CudaRunner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
+                                    max_tree=max_tree)
+    return Qwen38Runner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
+                        gdn_chunk=gdn_chunk, max_tree=max_tree)
+
+
+def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int, prefill_chunk: int,
+                 max_tree: int = 64, gdn_chunk: int = 64) -> SequenceEngine:
+    """The core's sequence engine over the runner for the weights' device (``make_runner``)."""
+    return SequenceEngine(make_runner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
+                                      gdn_chunk=gdn_chunk, max_tree=max_tree), name="qwen3_5")
 
 
 def prefill_chunk_for(requested: int, device: Any) -> int:
@@ -113,7 +137,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     ctx.log(f"qwen3_5: {info['parameters']:,} parameters in {dtype} on {weights.device}, "
             f"{sum(ckpt.skipped.values())} tensors skipped ({', '.join(sorted(ckpt.skipped)) or 'none'})")
 
-    def spawn() -> Qwen38Engine:
+    def spawn() -> SequenceEngine:
         return build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
 
     return Served(

@@ -258,11 +258,15 @@ class Qwen38Weights:
 def build_weights(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor], cfg: Qwen38Config,
                   dtype: str = "fp32", device: str | torch.device = "cpu", *, tied: bool | None = None,
                   identity: str = "", skipped: Mapping[str, int] | None = None,
-                  progress: Callable[[int, int, str], None] | None = None) -> Qwen38Weights:
+                  progress: Callable[[int, int, str], None] | None = None,
+                  sizes: Mapping[str, int] | None = None) -> Qwen38Weights:
     """Build ``Qwen38Weights`` from tensors by canonical name (a mapping or a getter).
 
     ``tied``: the head reads the embedding (default: the config's ``tie_word_embeddings``
-    when no ``lm_head.weight`` is given). ``progress(done, total, what)`` is called per tensor.
+    when no ``lm_head.weight`` is given). ``progress(done, total, what)`` is called per tensor with the
+    bytes read so far (``sizes``: each tensor's stored bytes, for the total; default: the mapping's own),
+    ``what`` naming the device they go to. Each tensor is converted and placed on ``device`` as it comes,
+    so nothing beyond one tensor is held twice.
     """
     fmt, act = DTYPES[normalise_dtype(dtype)]
     dev = torch.device(device)
@@ -270,14 +274,18 @@ def build_weights(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor
     if tied is None:
         tied = cfg.tie_word_embeddings and not (isinstance(get, Mapping) and "lm_head.weight" in get)
     names = [n for n in expected_tensors(cfg) if not (tied and n == "lm_head.weight")]
-    total, done = len(names), 0
+    if sizes is None and isinstance(get, Mapping):
+        sizes = {n: get[n].numel() * get[n].element_size() for n in names if n in get}
+    total = sum((sizes or {}).get(n, 0) for n in names) or len(names)
+    done = 0
+    what = f"to {dev}"
 
     def tensor(name: str) -> torch.Tensor:
         nonlocal done
         t = fetch(name)
-        done += 1
+        done += (sizes or {}).get(name, 0) if sizes else 1
         if progress is not None:
-            progress(done, total, "weights")
+            progress(min(done, total), total, what)
         return t
 
     def linear(name: str) -> Linear:
@@ -320,12 +328,14 @@ def build_weights(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor
 
 def load_weights(ckpt: Checkpoint, cfg: Qwen38Config, dtype: str = "fp32", device: str | torch.device = "cpu",
                  progress: Callable[[int, int, str], None] | None = None) -> Qwen38Weights:
-    """Read every tensor of an audited checkpoint into ``Qwen38Weights``."""
+    """Read every tensor of an audited checkpoint into ``Qwen38Weights``, each straight onto ``device``."""
     names = ckpt.layout.names
+    dev = torch.device(device)
 
     def get(canon: str) -> torch.Tensor:
-        return ckpt.reader.get(names[canon])
+        return ckpt.reader.get(names[canon], dev)
 
-    return build_weights(get, cfg, dtype, device, tied=ckpt.layout.head_tied, identity=ckpt.identity,
-                         skipped=ckpt.skipped, progress=progress)
+    sizes = {canon: ckpt.reader.nbytes(key) for canon, key in names.items()}
+    return build_weights(get, cfg, dtype, dev, tied=ckpt.layout.head_tied, identity=ckpt.identity,
+                         skipped=ckpt.skipped, progress=progress, sizes=sizes)
 

@@ -1,16 +1,12 @@
-"""The Llama engine's tree verbs on tiny re-randomised Llama checkpoints (GGUF and Hugging Face directories
-written by tests/test_llama_tiny.py's helpers; its tests check the decode step against transformers).
+"""The Llama runner under the core's sequence engine, on tiny re-randomised Llama checkpoints (GGUF and Hugging
+Face directories written by test_llama_tiny.py's helpers; its tests check the decode step against transformers).
 
-What is proved, bit for bit (``torch.equal``) against plain decode (``forward`` of one token at a time):
-
-- every verified row of chains of every width 1..max_tree and of random trees (distractors included, each
-  node against plain decode of its own path) equals the decode step's row, and its hidden row too;
-- ``commit_tree`` leaves the state plain decode leaves (views up to length); rejected branches leave no
-  trace; ``rollback_to`` (any length: the model is attention only), ``trim_pending``, ``discard_pending``,
-  ``settle``, ``resume_at`` and a state restore do what the contract says;
-- speculative decoding (``SpecDecode`` with the real lookup drafter, and an oracle drafter) equals plain
-  decoding token for token, greedy and seeded sampling, through stops and max_tokens inside accepted runs;
-- the load-time self-check passes, and fails naming the layer on a deliberately perturbed engine.
+The runner passes the runner conformance suite (``tandem_core.testing.conformance``): chains and trees of every
+width bit for bit against plain decode, commits, rejected branches, pending tokens and rollbacks to any length
+(attention only), resume at a common prefix, traces, taps, oracle speculation, the self-check. Below it, what is
+Llama's own: other weight holdings and sources verify bit for bit, the output head in row blocks, speculative
+decoding with the real lookup drafter equals plain decoding (greedy and seeded), and the self-check failing
+naming the layer on a deliberately perturbed runner.
 """
 
 from __future__ import annotations
@@ -24,16 +20,13 @@ import pytest
 import torch
 from test_llama_tiny import _hf_model, bpe, write_gguf  # noqa: F401  (bpe: fixture)
 
-from tree_checks import (Recorded, flat_prices, assert_same_state, check_a_batched_linear_fails_at_width_two,  # noqa: E402
-                         check_chains, check_forward_settles, check_oracle_speculation, check_random_tree,
-                         check_rejected_branches, check_second_tree, check_trace_verbs, check_trim_pending, path_to,
-                         plain_rows_of_tree, random_tree)
-from tandem_core.engine import ResumableEngine, TreeEngine
+from tandem_core.engine import SequenceEngine, TreeStep
 from tandem_core.serving import ServeArgs, ServeContext
-from tandem_core.spec.selfcheck import LayerTrace, run_selfcheck
-from tandem_core.state import StateMismatch
+from tandem_core.spec.selfcheck import run_selfcheck
+from tandem_core.testing.conformance import RunnerCase, RunnerContract, check_a_batched_linear_fails_at_width_two
+from tandem_core.testing.trees import Recorded, assert_same_state, flat_prices, path_to, plain_rows_of_tree, random_tree
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT / "plugins" / "drafters") not in sys.path:
     sys.path.insert(0, str(ROOT / "plugins" / "drafters"))
 
@@ -84,120 +77,28 @@ def rec(twin):
     return Recorded(twin, prompt(20, seed=21), 68)
 
 
-# -- the engine contract ------------------------------------------------------------------------------
-def test_the_engine_offers_the_tree_resume_and_trace_verbs(gguf_path, eng):
-    assert isinstance(eng, TreeEngine) and isinstance(eng, ResumableEngine) and isinstance(eng, LayerTrace)
-    caps = eng.caps
-    assert caps.tree and caps.resume and caps.trace and not caps.recurrent and caps.max_tree == 64
-    assert not eng.state.sections                               # attention only: every state is K and V views
-    assert {"linear_rows", "silu"} <= set(eng.manifest().extra["ops"])
-    small = serve_tiny(gguf_path, max_context=64, max_tree=8)
-    assert small.engine.caps.max_tree == 8 and small.spawn().caps.max_tree == 8
+def llama_case(served) -> RunnerCase:
+    from tandem_llama.model import build_engine
+
+    r = served.engine.runner
+
+    def build(max_context: int = 256, max_tree: int = 64, **kw):
+        return build_engine(r.cfg, r.w, max_context=max_context, max_tree=max_tree, **kw)
+
+    return RunnerCase(build=build, vocab=VOCAB, prompt=lambda n, seed: prompt(n, seed))
 
 
-def test_chains_of_every_width_equal_the_decode_rows_and_commit_its_state(eng, rec):
-    check_chains(eng, rec, VOCAB)
+class TestLlamaRunner(RunnerContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, served):
+        return llama_case(served)
 
-
-@pytest.mark.parametrize("size,seed", [(1, 0), (2, 1), (5, 2), (13, 3), (33, 4), (64, 5)])
-def test_random_trees_equal_plain_decode_of_every_nodes_path(eng, twin, rec, size, seed):
-    check_random_tree(eng, twin, rec, size, seed, VOCAB)
-
-
-def test_rejected_branches_leave_no_trace(eng, rec):
-    check_rejected_branches(eng, rec, VOCAB)
-
-
-def test_a_second_tree_replaces_the_first_and_discard_drops_it(eng, rec):
-    check_second_tree(eng, rec)
-
-
-def test_verify_and_commit_refuse_what_they_cannot_do(served, eng, rec):
-    eng.state.restore(rec.state_at(0))
-    with pytest.raises(ValueError, match="exceed max_tree 64"):
-        eng.forward_block(list(range(65)))
-    with pytest.raises(ValueError, match=r"parents\[1\] = 1"):
-        eng.forward_tree(torch.tensor([1, 2]), torch.tensor([-1, 1]))
-    with pytest.raises(ValueError, match="3 tokens but 2 parents"):
-        eng.forward_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0]))
-    with pytest.raises(ValueError, match="token id 320"):
-        eng.forward_block([1, 320])
-    with pytest.raises(ValueError, match="token id -1"):
-        eng.forward([-1])
-    with pytest.raises(ValueError, match="no tokens"):
-        eng.forward_block([])
-    eng.forward_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, -1]))
-    with pytest.raises(ValueError, match=r"path\[0\] = 7 is not a node"):
-        eng.commit_tree([7])
-    with pytest.raises(ValueError, match=r"path\[1\] = node 2 has parent -1, not 0"):
-        eng.commit_tree([0, 2])
-    assert_same_state(eng.state, rec.state_at(0), "refused commits change nothing")
-    small = type(eng)(eng.cfg, eng.w, max_context=24, max_tree=8)
-    small.forward(list(range(20)))
-    with pytest.raises(ValueError, match="exceed the engine's context of 24"):
-        small.forward_block([1, 2, 3, 4, 5])
-    assert small.kv.length == 20
-    small.forward_tree(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([-1, -1, -1, -1, 0]))   # depth 2 fits
-    small.commit_tree([0, 4])
-    assert small.kv.length == 22
-
-
-def test_trim_pending_rollback_and_settle(eng, rec):
-    base = check_trim_pending(eng, rec)
-    with pytest.raises(ValueError, match="holds"):
-        eng.rollback_to(base + 13)
-    with pytest.raises(ValueError, match="holds"):
-        eng.rollback_to(-1)
-    eng.settle()
-    with pytest.raises(ValueError, match="0 tokens are pending"):
-        eng.trim_pending(1)
-    eng.trim_pending(0)
-    # attention only: a rollback may go past the settled tokens, to any length, and decoding on is plain
-    eng.rollback_to(base + 2)
-    assert_same_state(eng.state, rec.state_at(2), "after rolling back past the settle point")
-    with pytest.raises(ValueError, match="0 tokens are pending"):
-        eng.trim_pending(1)
-    for j in range(2, 6):
-        assert torch.equal(eng.forward([rec.tokens[j]])[0], rec.rows[j]), f"decode row {j}"
-    eng.forward_block(rec.tokens[6:9])
-    eng.commit_tree(range(3))                                    # 3 pending from position base + 6
-    eng.rollback_to(base + 4)                                    # before them: none are left
-    with pytest.raises(ValueError, match="0 tokens are pending"):
-        eng.trim_pending(1)
-    eng.forward_block(rec.tokens[4:7])
-    eng.commit_tree(range(3))
-    eng.trim_pending(3)
-    assert_same_state(eng.state, rec.state_at(4), "pending counted from the rollback")
-    eng.rollback_to(0)
-    assert eng.kv.length == 0
-
-
-def test_forward_settles_and_a_state_restore_forgets_pending_and_tree(eng, rec):
-    check_forward_settles(eng, rec)
-
-
-def test_resume_at_a_common_prefix_then_verify_equals_the_plain_run(eng, rec):
-    eng.state.restore(rec.state_at(0))
-    eng.forward_block(rec.tokens[:12])
-    eng.commit_tree(range(12))                                  # the views hold 12 tokens' rows
-    eng.forward_block(rec.tokens[12:14])
-    eng.resume_at(rec.state_at(6).length)                       # a cache's common prefix: no sections
-    assert eng.kv.length == rec.state_at(6).length
-    with pytest.raises(RuntimeError, match="no verified tree"):
-        eng.commit_tree([0])
-    with pytest.raises(ValueError, match="0 tokens are pending"):
-        eng.trim_pending(1)
-    for j in range(6, 10):
-        assert torch.equal(eng.forward([rec.tokens[j]])[0], rec.rows[j]), f"decode row {j}"
-    out = eng.forward_block(rec.tokens[10:14])
-    assert all(torch.equal(out.logits[i], rec.rows[10 + i]) for i in range(4))
-    eng.commit_tree(range(4))
-    assert_same_state(eng.state, rec.state_at(14), "after resuming and verifying on")
-    eng.resume_at(eng.kv.length, {})
-    with pytest.raises(StateMismatch, match="cannot resume"):
-        eng.resume_at(eng.kv.length + 1)
-    with pytest.raises(StateMismatch, match="anchor sections"):
-        eng.resume_at(4, {"gdn.S": torch.zeros(1)})
+    def test_serve_gives_max_tree_and_an_attention_only_state(self, gguf_path, eng):
+        assert not eng.state.sections and set(eng.state.views) == {"K", "V"}
+        assert {"linear_rows", "silu"} <= set(eng.manifest().extra["ops"])
+        small = serve_tiny(gguf_path, max_context=64, max_tree=8)
+        assert small.engine.caps.max_tree == 8 and small.spawn().caps.max_tree == 8
 
 
 def _other_sources(tmp_path, bpe, monkeypatch, kind):
@@ -233,13 +134,13 @@ def test_a_head_in_row_blocks_verifies_bit_for_bit_and_equals_the_whole_head(ser
     decode and verify make the same blocked calls, and the logits are the whole head's within rounding."""
     from tandem_llama.model import head_blocks
 
-    lm_head = served.engine.w.lm_head
+    lm_head = served.engine.runner.w.lm_head
     blocks = head_blocks(lm_head, 48 * 64 * 4)                       # 48 rows of 64 fp32 a block
     assert [(s, e) for s, e, _ in blocks] == [(s, min(320, s + 48)) for s in range(0, 320, 48)]
     assert all(torch.equal(b.dense(), lm_head.dense()[s:e]) for s, e, b in blocks)
     assert len(head_blocks(lm_head)) == 1
-    cls = type(eng)
-    blocked, blocked_twin = (cls(eng.cfg, eng.w, max_context=256, head_block_bytes=48 * 64 * 4) for _ in range(2))
+    case = llama_case(served)
+    blocked, blocked_twin = (case.build(max_context=256, head_block_bytes=48 * 64 * 4) for _ in range(2))
     base = rec.state_at(4)
     tokens, parents = random_tree(random.Random(9), 20, VOCAB)
     want, _, _ = plain_rows_of_tree(blocked_twin, base, tokens, parents)
@@ -258,6 +159,29 @@ def twin_row(twin, base, tokens, parents, i):
     for j in path_to(parents, i):
         row = twin.forward([tokens[j]])[0]
     return row
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+class TestLlamaCudaRunner(RunnerContract):
+    """The same runner on a CUDA device: the weights dense in bf16 there (``weights.on_device``)."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, gguf_path):
+        from tandem_llama.model import build_engine
+        from tandem_llama.weights import on_device
+
+        r = serve_tiny(gguf_path).engine.runner
+        w = on_device(r.w, "cuda:0", torch.bfloat16)
+
+        def build(max_context: int = 256, max_tree: int = 64, **kw):
+            return build_engine(r.cfg, w, max_context=max_context, max_tree=max_tree, device="cuda:0", **kw)
+
+        return RunnerCase(build=build, vocab=VOCAB, prompt=lambda n, seed: prompt(n, seed))
+
+    def test_it_runs_on_the_device_in_bf16(self, eng):
+        assert eng.caps.device == "cuda:0" and eng.caps.dtype == "bf16"
+        assert eng.state.views["K"].tensor.is_cuda
 
 
 # -- speculation: the real loop with the lookup drafter, and an oracle -----------------------------------
@@ -303,39 +227,25 @@ def test_speculative_decoding_with_the_lookup_drafter_equals_plain(served, eng, 
         assert tokens / rounds > 1.5, f"{tokens} tokens in {rounds} rounds: the drafter should be accepted"
 
 
-def test_greedy_speculation_with_an_oracle_drafter_equals_plain_greedy(eng, twin):
-    check_oracle_speculation(eng, twin, PROMPTS, VOCAB)
-
-
 # -- the load-time self-check ---------------------------------------------------------------------------
 def nudge(t: torch.Tensor) -> torch.Tensor:
     """Every element one ulp up."""
     return torch.nextafter(t, torch.full_like(t, math.inf))
 
 
-def build(served, cls=None):
-    base = served.engine
-    return (cls or type(base))(base.cfg, base.w, max_context=128, max_tree=WIDTH)
-
-
-def test_the_self_check_passes_on_the_engine(served):
-    eng = build(served)
-    res = run_selfcheck(eng)
-    assert res.ok, res.first_mismatch
-    assert res.widths == tuple(range(1, WIDTH + 1))
-    assert res.rows_checked >= WIDTH * (WIDTH + 1) // 2 + WIDTH
-    assert eng.kv.length == 0, "the self-check leaves the engine reset"
+def build(served, runner=None, cls=SequenceEngine):
+    """An engine of ``cls`` over a runner of ``runner`` (a test subclass of the plugin's) on the tiny weights."""
+    base = served.engine.runner
+    return cls((runner or type(base))(base.cfg, base.w, max_context=128, max_tree=WIDTH))
 
 
 @pytest.mark.parametrize("layer,part", [(1, "attention"), (0, "mlp")])
 def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(served, layer, part):
-    from tandem_llama.model import TreeStep
-
-    class OneUlpOff(type(served.engine)):
+    class OneUlpOff(type(served.engine.runner)):
         """Verifies of 3 or more nodes are off by one ulp in one layer's attention or MLP output."""
 
-        def _attention(self, h, lw, li, step, tree, cos, sin):
-            out = super()._attention(h, lw, li, step, tree, cos, sin)
+        def _attention(self, h, lw, li, step, cos, sin):
+            out = super()._attention(h, lw, li, step, cos, sin)
             hit = part == "attention" and li == layer and isinstance(step, TreeStep) and step.count >= 3
             return nudge(out) if hit else out
 
@@ -344,7 +254,7 @@ def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(serve
             hit = part == "mlp" and lw is self.w.layers[layer] and isinstance(step, TreeStep) and step.count >= 3
             return nudge(out) if hit else out
 
-    res = run_selfcheck(build(served, OneUlpOff))
+    res = run_selfcheck(build(served, runner=OneUlpOff))
     assert not res.ok
     m = res.mismatch
     assert m is not None and m.form == "chain" and m.width == 3 and m.node == 0
@@ -354,23 +264,26 @@ def test_a_one_ulp_difference_in_one_layers_verify_fails_naming_that_layer(serve
 
 
 def test_a_batched_linear_kernel_fails_the_check_at_width_two(served):
-    lin = served.engine.w.layers[0].qkv
+    lin = served.engine.runner.w.layers[0].qkv
     check_a_batched_linear_fails_at_width_two(lambda: build(served), lin.matmul, lin.shape[1], "layer 0 attention")
 
 
 def test_an_inexact_commit_is_named_as_the_state_before_the_row(served):
-    class LossyCommit(type(served.engine)):
+    class LossyCommit(SequenceEngine):
         def commit_tree(self, path):
             start = self.kv.length
             super().commit_tree(path)
             if self.kv.length > start:
-                self.k_cache[0, :, start] = nudge(self.k_cache[0, :, start])
+                K = self.state.views["K"].tensor
+                K[0, :, start] = nudge(K[0, :, start])
 
-    res = run_selfcheck(build(served, LossyCommit))
+    res = run_selfcheck(build(served, cls=LossyCommit))
     assert not res.ok and res.mismatch is not None
     assert res.mismatch.form == "chain" and res.mismatch.width == 2 and res.mismatch.layer is None
     assert "the state earlier commits left differs" in res.first_mismatch
 
 
-def test_the_trace_verbs_have_their_verbs_arithmetic(served):
-    check_trace_verbs(build(served), build(served), "layer 0 attention", 2 * 2 + 1, 64)
+def test_the_trace_names_the_layers_of_the_family(served):
+    t = build(served).trace_forward([5, 17, 2, 99, 43])
+    assert t.points[0] == "layer 0 attention" and len(t.points) == 2 * 2 + 1
+    assert all(r.shape == (5, 64) for r in t.rows)

@@ -69,8 +69,12 @@ def test_serve_builds_engine_tokenizer_and_record(qwen38_ckpts):
     served = serving.serve(args, ctx)
     assert isinstance(served, Served)
     assert [s for s, _ in ctx.stages] == ["config", "audit", "weights", "engine", "tokenizer"]
-    n = len(expected_tensors(served.engine.cfg))
-    assert ctx.progressed[-1] == (n, n, "weights") and len(ctx.progressed) == n
+    n = len(expected_tensors(served.engine.runner.cfg))
+    stored = sum(f.stat().st_size for f in qwen38_ckpts.vl.path.glob("*.safetensors"))
+    done, total, what = ctx.progressed[-1]
+    assert len(ctx.progressed) == n and done == total and what == "to cpu"      # bytes, to the device
+    assert 0.5 * stored < total <= stored                                          # the text model's bytes
+    assert [d for d, _, _ in ctx.progressed] == sorted(d for d, _, _ in ctx.progressed)
     assert served.tool_format == "qwen_xml" and served.reasoning and served.think_in_prompt
     im_end = served.tokenizer.token_to_id("<|im_end|>")
     assert im_end is not None and im_end in served.stop_ids
@@ -78,12 +82,12 @@ def test_serve_builds_engine_tokenizer_and_record(qwen38_ckpts):
     info = served.info
     assert info["weights"] == str(qwen38_ckpts.vl.path) and info["dtype"] == "fp32"
     assert info["skipped"]["model.visual."] > 0
-    assert info["parameters"] == served.engine.w.parameter_count() > 0
+    assert info["parameters"] == served.engine.runner.w.parameter_count() > 0
     assert set(info["fingerprints"]) == {"weights", "tokenizer", "manifest"}
-    assert {p["name"] for p in info["memory"]} == {"weights", "gdn.S", "gdn.conv", "kv"}
+    assert {p["name"] for p in info["memory"]} == {"weights", "gdn.S", "gdn.conv", "kv", "pending.sections"}
 
     eng = served.engine
-    assert eng.caps.max_context == 96 and eng.prefill_chunk == 16
+    assert eng.caps.max_context == 96 and eng.caps.prefill_chunk == 16
     ids = prompt(40, 320)
     with torch.no_grad():
         ref = qwen38_ckpts.vl.model(ids[None]).logits[0]
@@ -91,7 +95,7 @@ def test_serve_builds_engine_tokenizer_and_record(qwen38_ckpts):
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
 
     twin = served.spawn()
-    assert twin is not eng and twin.w is eng.w
+    assert twin is not eng and twin.runner.w is eng.runner.w
     assert twin.state.sections["gdn.S"].data_ptr() != eng.state.sections["gdn.S"].data_ptr()
     assert twin.kv.length == 0 and torch.equal(twin.forward(ids, all_logits=True), got)
 

@@ -12,7 +12,7 @@ from tandem_core.spec.cut import PriceTable, StairCut
 from tandem_core.spec.tree import TokenTree
 from tandem_core.spec.walk import walk
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT / "plugins" / "drafters") not in sys.path:
     sys.path.insert(0, str(ROOT / "plugins" / "drafters"))
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PLUGIN_SRC = ROOT / "plugins" / "qwen38_27b"
 if str(PLUGIN_SRC) not in sys.path:  # the plugin's source tree, whether or not it is pip-installed
     sys.path.insert(0, str(PLUGIN_SRC))
@@ -158,13 +158,13 @@ def qwen38_ckpts(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
 def load_engine(path: Path, *, dtype: str = "fp32", max_context: int = 256, prefill_chunk: int = 512):
     """Config -> audit -> weights -> engine, the way ``serve`` does it (no tokenizer)."""
     from tandem_qwen38.config import read_config
-    from tandem_qwen38.model import Qwen38Engine
+    from tandem_qwen38.serving import build_engine
     from tandem_qwen38.weights import load_weights, open_checkpoint
 
     cfg = read_config(json.loads((path / "config.json").read_text()))
     ckpt = open_checkpoint(path, cfg)
     weights = load_weights(ckpt, cfg, dtype)
-    return Qwen38Engine(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk)
+    return build_engine(cfg, weights, max_context, prefill_chunk)
 
 
 def prompt(n: int, vocab: int, seed: int = 5) -> torch.Tensor:

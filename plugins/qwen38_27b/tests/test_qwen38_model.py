@@ -153,15 +153,15 @@ def test_short_prompt_conv_tail_is_zero_padded_like_transformers(qwen38_ckpts):
 def test_engine_protocol_caps_and_cold_verbs(qwen38_ckpts):
     eng = load_engine(qwen38_ckpts.text.path, max_context=128)
     assert isinstance(eng, Engine)
-    assert isinstance(eng, TreeEngine)            # the tree verbs: tests/test_qwen38_tree.py
+    assert isinstance(eng, TreeEngine)            # the tree verbs: test_qwen38_runner.py
     assert isinstance(eng.caps, Capabilities)
-    assert eng.caps.recurrent and eng.caps.tree and eng.caps.resume
+    assert eng.state.sections and eng.caps.tree and eng.caps.resume
     assert eng.caps.max_context == 128 and eng.caps.dtype == "fp32"
-    assert eng.cache_state() is eng.state
     parts = {p.name: p for p in eng.memory_parts()}
-    assert set(parts) == {"weights", "gdn.S", "gdn.conv", "kv"}
+    assert set(parts) == {"weights", "gdn.S", "gdn.conv", "kv", "pending.sections"}
     assert parts["kv"].nbytes == 2 * 1 * 2 * 128 * 32 * 4
     assert parts["gdn.S"].nbytes == 3 * 4 * 16 * 24 * 4
+    assert parts["pending.sections"].nbytes == parts["gdn.S"].nbytes + parts["gdn.conv"].nbytes
     man = eng.manifest()
     assert isinstance(man, Manifest)
     names = {f.rsplit("/", 1)[-1] for f in man.files}
@@ -205,7 +205,7 @@ def test_reset_and_limits(qwen38_ckpts, reference_logits):
     eng.reset()
     assert eng.kv.length == 0 and not eng.state.sections["gdn.S"].any()
     assert rel_err(eng.forward(ids, all_logits=True), ref["text"]) < 1e-4
-    with pytest.raises(ValueError, match="max_context 80"):
+    with pytest.raises(ValueError, match="exceed the engine's context of 80"):
         eng.forward(ids[:11])
     eng.reset()
     with pytest.raises(ValueError, match="token id 320"):

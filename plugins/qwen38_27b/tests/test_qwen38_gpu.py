@@ -1,4 +1,4 @@
-"""The qwen3_5 engine on a CUDA device: its verbs on the CUDA graph path (``tandem_qwen38.cuda_graphs``).
+"""The qwen3_5 engine on a CUDA device: the core's engine over the CUDA graph runner (``tandem_qwen38.cuda_runner``).
 
 On a tiny re-randomised checkpoint written by transformers (``conftest_qwen38.build_text``), loaded in bf16 on
 the GPU, what is proved:
@@ -14,7 +14,8 @@ the GPU, what is proved:
   ``resume_at`` and ``state.restore`` land on plain decode's state bit for bit; a tree near the end of the
   context is refused by its depth, not its width;
 - the kernels registered for ``"cuda"`` (``tandem_core.ops.cuda_backend``) keep their reference's contract;
-- a second engine over the same weights reuses the fused weight matrices (no second copy).
+- a second engine over the same weights reuses the fused weight matrices (no second copy);
+- the runner conformance suite (``tandem_core.testing.conformance``) passes on the CUDA runner unchanged.
 
 The CUDA tests skip without a CUDA device and Triton (the CPU references stay the source of truth); the first
 test runs anywhere: importing the CUDA path imports no Triton.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from conftest_qwen38 import build_text, load_engine, prompt
-from tree_checks import Oracle, flat_prices
+from tandem_core.testing.trees import Oracle, flat_prices
 
 from tandem_core import ops
 from tandem_core.engine import ResumableEngine, TreeEngine
@@ -43,8 +43,9 @@ from tandem_core.spec.sampler import SamplingParams
 from tandem_core.spec.selfcheck import run_selfcheck
 from tandem_core.spec.speculate import SpecDecode, Speculation
 from tandem_core.state import ModelState
+from tandem_core.testing.conformance import RunnerCase, RunnerContract
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 320
 CUDA = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton (the CPU references are the "
@@ -61,7 +62,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_importing_the_cuda_path_imports_no_triton():
     paths = [str(ROOT), str(ROOT / "plugins" / "qwen38_27b")]
     code = (f"import sys; sys.path[:0] = {paths!r}; "
-            "import tandem_qwen38.model, tandem_qwen38.cuda_graphs, tandem_core.ops.cuda_backend; "
+            "import tandem_qwen38.model, tandem_qwen38.cuda_graphs, tandem_qwen38.cuda_runner, "
+            "tandem_core.ops.cuda_backend; "
             "print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          check=False)
@@ -77,12 +79,12 @@ def ckpt(tmp_path_factory):
 
 def cuda_engine(path: Path, **kw):
     from tandem_qwen38.config import read_config
-    from tandem_qwen38.model import Qwen38Engine
+    from tandem_qwen38.serving import build_engine
     from tandem_qwen38.weights import load_weights, open_checkpoint
 
     cfg = read_config(json.loads((path / "config.json").read_text()))
     weights = load_weights(open_checkpoint(path, cfg), cfg, "bf16", "cuda")
-    return Qwen38Engine(cfg, weights, **kw)
+    return build_engine(cfg, weights, kw.pop("max_context"), kw.pop("prefill_chunk"), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,7 @@ class Recorded:
 def test_caps_and_the_graph_path(eng):
     assert isinstance(eng, TreeEngine) and isinstance(eng, ResumableEngine)
     caps = eng.caps
-    assert (caps.device, caps.dtype, caps.max_tree, caps.trace) == ("cuda", "bf16", 128, False)
+    assert (caps.device.split(":")[0], caps.dtype, caps.max_tree, caps.trace) == ("cuda", "bf16", 128, False)
     m = eng.manifest()
     assert m.settings["path"] == "cuda_graphs" and m.settings["widths"][-1] == 128
     assert any(f.endswith("cuda_graphs.py") for f in m.files)
@@ -273,7 +275,7 @@ def test_pending_tokens_trim_rollback_settle_and_resume(eng):
 
 @needs_cuda
 def test_a_tree_near_the_end_of_the_context_is_refused_by_its_depth(eng):
-    from tandem_qwen38.model import ContextFull
+    from tandem_core.engine import ContextFull
 
     eng.reset()
     eng.forward(prompt(254, VOCAB, seed=8))
@@ -372,9 +374,12 @@ def test_registered_cuda_kernels_keep_their_references_contract(eng):
 
 @needs_cuda
 def test_a_second_engine_reuses_the_fused_weights(eng):
-    ptrs = [lin.weight.data_ptr() for lin in eng.w.linears()]
-    twin = type(eng)(eng.cfg, eng.w, max_context=64, max_tree=8)
-    assert [lin.weight.data_ptr() for lin in eng.w.linears()] == ptrs, "the weights were fused a second time"
+    from tandem_qwen38.serving import build_engine
+
+    w = eng.runner.w
+    ptrs = [lin.weight.data_ptr() for lin in w.linears()]
+    twin = build_engine(eng.runner.cfg, w, 64, 16, max_tree=8)
+    assert [lin.weight.data_ptr() for lin in w.linears()] == ptrs, "the weights were fused a second time"
     assert twin.caps.max_tree == 8
     ids = prompt(10, VOCAB, seed=2)
     eng.reset()
@@ -383,3 +388,24 @@ def test_a_second_engine_reuses_the_fused_weights(eng):
     assert torch.equal(a, b)
     tok = int(a[0].argmax())
     assert torch.equal(eng.forward([tok]), twin.forward([tok]))
+
+
+# -- the runner conformance suite, on the CUDA runner -------------------------------------------------------
+@needs_cuda
+class TestQwen38CudaRunner(RunnerContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, ckpt):
+        from tandem_qwen38.serving import build_engine
+
+        base = cuda_engine(ckpt.path, max_context=32, prefill_chunk=16, max_tree=8).runner
+
+        def build(max_context: int = 256, max_tree: int = 64):
+            return build_engine(base.cfg, base.w, max_context, 16, max_tree=max_tree)
+
+        widest = build(max_context=32).caps.max_tree
+        return RunnerCase(build=build, vocab=VOCAB, max_tree=widest,
+                          prompt=lambda n, seed: prompt(n, VOCAB, seed=seed).tolist())
+
+    def test_the_cuda_runner_runs_the_graph_path(self, eng):
+        assert type(eng.runner).__name__ == "Qwen38CudaRunner" and eng.manifest().settings["path"] == "cuda_graphs"

@@ -385,7 +385,7 @@ def test_engine_contract(tmp_path, bpe):
     logits = eng.forward(PROMPT)
     assert logits.shape == (1, 320) and eng.kv.length == len(PROMPT)
     assert eng.hidden_post_norm().shape == (len(PROMPT), 64)
-    snap = eng.cache_state().clone()
+    snap = eng.state.clone()
     assert snap.length == len(PROMPT) and not snap.sections and set(snap.views) == {"K", "V"}
     assert snap.views["K"].tensor.shape == (2, 2, len(PROMPT), 16)
     first = _continue(eng, logits, 6)
@@ -395,11 +395,12 @@ def test_engine_contract(tmp_path, bpe):
     assert _continue(eng, logits, 6) == first
     # a second engine shares the weights and has its own buffers
     other = served.spawn()
-    assert other.w is eng.w and other.k_cache.data_ptr() != eng.k_cache.data_ptr()
+    assert other.runner.w is eng.runner.w
+    assert other.state.views["K"].tensor.data_ptr() != eng.state.views["K"].tensor.data_ptr()
     assert _continue(other, other.forward(PROMPT), 6) == first
     eng.reset()
     assert eng.kv.length == 0
-    with pytest.raises(ValueError, match="exceeds"):
+    with pytest.raises(ValueError, match="exceed the engine's context of 128"):
         eng.forward(list(range(129)))
     bad = snap.clone()
     bad.views["K"] = type(bad.views["K"])(bad.views["K"].tensor[:, :1], 2)

@@ -58,7 +58,8 @@ def test_tied_and_untied_heads_read_to_the_same_canonical_names(qwen38_ckpts):
     assert tied.layout.head_tied and not untied.layout.head_tied
     assert tied.layout.names["lm_head.weight"] == tied.layout.names["embed_tokens.weight"]
     eng = load_engine(qwen38_ckpts.tied.path)
-    assert eng.w.tied and eng.w.head.weight.data_ptr() == eng.w.embed.data_ptr()
+    w = eng.runner.w
+    assert w.tied and w.head.weight.data_ptr() == w.embed.data_ptr()
     ids = prompt(33, 320)
     with torch.no_grad():
         ref = qwen38_ckpts.tied.model(ids[None]).logits[0]

@@ -12,6 +12,10 @@ Protocols here are split by capability:
   token tree on top of the sequence without committing; ``commit_tree(path)``
   keeps one root-to-leaf path; ``rollback_to(n)`` forgets tokens past ``n``.
 - ``ResumableEngine`` (``caps.resume``): ``resume_at(n, sections)`` for the caches.
+
+``supports_tree(engine)`` and ``supports_resume(engine)`` read the flags and narrow the type
+(``TypeIs``), so a caller needs neither ``hasattr`` nor a ``# type: ignore``. Every engine built on the
+core's ``SequenceEngine`` (``tandem_core.engine.sequence``) offers both.
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
+from typing_extensions import TypeIs
+
 import torch
 
 from tandem_core.state import ModelState
 
 __all__ = [
     "Capabilities", "MemoryPart", "Manifest", "Engine", "TreeEngine", "ResumableEngine", "KVInfo",
-    "TreeOut", "restore_state",
+    "TreeOut", "Trace", "restore_state", "supports_tree", "supports_resume",
 ]
 
 
@@ -37,8 +43,7 @@ class Capabilities:
     """What an engine offers beyond the base verbs. Read it; never ``hasattr`` an engine."""
 
     tree: bool = False          # forward_tree / forward_block / commit_tree / rollback_to
-    resume: bool = False        # resume_at / settle / discard_pending / trim_pending
-    recurrent: bool = False     # its ModelState has sections (anchors are needed to resume mid-sequence)
+    resume: bool = False        # resume_at (the caches' verb)
     max_context: int = 0        # the most tokens its buffers hold
     max_tree: int = 0           # the widest tree forward_tree verifies in one call
     hidden_layers: tuple[int, ...] = ()  # layers whose hidden states a drafter may read
@@ -48,6 +53,7 @@ class Capabilities:
     trace: bool = False         # trace_forward / trace_tree: per-layer rows (spec.selfcheck.LayerTrace)
     prefill_chunk: int = 0      # rows a long forward runs at a time, counted from the call's first token;
                                 # forwards split at multiples of it give the same bits (0: not said)
+    graph_widths: tuple[int, ...] = ()  # verify widths captured as CUDA graphs (decode is width 1); (): eager
 
 
 class MemoryPart(NamedTuple):
@@ -120,15 +126,20 @@ class Engine(Protocol):
         """Forget the sequence: length 0, recurrent state zero."""
         ...
 
-    def cache_state(self) -> ModelState:
-        """The live state, ``length == kv.length``; tiers clone it to keep it."""
-        ...
-
     def manifest(self) -> Manifest:
         ...
 
     def memory_parts(self) -> list[MemoryPart]:
         ...
+
+
+class Trace(NamedTuple):
+    """Hidden rows at an engine's capture points, in forward order (``"layer 3 mlp"``, ...): what the
+    self-check's ``LayerTrace`` verbs return to name the layer of a difference."""
+
+    points: tuple[str, ...]
+    rows: tuple[torch.Tensor, ...]    # rows[j]: [T, H] at points[j]
+    logits: torch.Tensor              # [T, V]
 
 
 class TreeOut(NamedTuple):
@@ -195,6 +206,16 @@ class ResumableEngine(Engine, Protocol):
         ...
 
 
+def supports_tree(engine: Engine) -> TypeIs[TreeEngine]:
+    """Whether ``engine`` has the speculation verbs (``caps.tree``)."""
+    return engine.caps.tree
+
+
+def supports_resume(engine: Engine) -> TypeIs[ResumableEngine]:
+    """Whether ``engine`` has the cache verb ``resume_at`` (``caps.resume``)."""
+    return engine.caps.resume
+
+
 def restore_state(engine: Engine, snap: ModelState, length: int | None = None) -> None:
     """Copy ``snap`` into ``engine``'s own buffers (``state.restore``; ``length``: the sequence's length
     afterwards when the rows past ``snap.length`` still hold it) and tell an engine that resumes
@@ -203,5 +224,5 @@ def restore_state(engine: Engine, snap: ModelState, length: int | None = None) -
         engine.state.restore(snap)
     else:
         engine.state.restore(snap, length)
-    if engine.caps.resume:
-        engine.resume_at(engine.state.length)  # type: ignore[attr-defined]  # ResumableEngine, said by caps
+    if supports_resume(engine):
+        engine.resume_at(engine.state.length)

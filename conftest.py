@@ -1,4 +1,4 @@
-"""Shared fixtures for the CPU suite."""
+"""Fixtures shared by the whole CPU suite: the core's tests (tests/) and every plugin's (plugins/*/tests/)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from tandem_core.serving import ServeArgs, ServeContext
 
 transformers = pytest.importorskip("transformers")
 
-CACHE = Path(__file__).resolve().parents[1] / ".tandem-test-cache"
+CACHE = Path(__file__).resolve().parents[3] / ".tandem-test-cache"
 MESSAGES = [{"role": "user", "content": "Name three primary colours, briefly."}]
 N_TOKENS = 24
 

@@ -1,16 +1,11 @@
-"""The qwen3_5 engine's tree verbs on the tiny re-randomised checkpoints (fp32 unless named).
+"""The Qwen3.8 runners under the core's sequence engine, on the tiny re-randomised checkpoints (fp32 unless named).
 
-What is proved, bit for bit (``torch.equal``) against plain decode (``forward`` of one token at a time,
-the engine's own decode step, which test_qwen38_model.py checks against transformers):
-
-- every verified row of chains of every width 1..max_tree and of random trees (distractors included,
-  each against plain decode of its own path) equals the decode step's row;
-- ``commit_tree`` leaves the state (sections whole, views up to length) plain decode leaves; rejected
-  branches leave no trace;
-- ``trim_pending`` / ``rollback_to`` / ``discard_pending`` / ``settle`` / ``resume_at`` semantics;
-- greedy decoding driven by an oracle drafter (the true continuation plus wrong branches) equals plain
-  greedy token for token on 20 prompts, repetitive ones included;
-- the tree ops and the row-invariant ops on their own (``tandem_core.ops``).
+The reference runner passes the runner conformance suite (``tandem_core.testing.conformance``: chains and
+trees of every width bit for bit against plain decode, commits, rejected branches, pending tokens and
+rollbacks, resume at an anchor, traces, taps, oracle speculation, the self-check) in fp32, and a random tree
+in bf16 is its decode rows too; the tree ops and the row-invariant ops it relies on are checked on their own
+below. The CUDA runner runs the
+same suite on a CUDA device (``test_qwen38_gpu.py``).
 """
 
 from __future__ import annotations
@@ -22,14 +17,11 @@ import torch
 
 from conftest_qwen38 import load_engine, prompt, qwen38_ckpts  # noqa: F401  (fixture)
 
-from tree_checks import (Recorded, assert_same_state, check_chains, check_forward_settles,  # noqa: E402
-                         check_oracle_speculation, check_random_tree, check_rejected_branches,
-                         check_second_tree, check_trim_pending, path_to, plain_rows_of_tree, random_tree)
 from tandem_core import ops
-from tandem_core.engine import ResumableEngine, TreeEngine
 from tandem_core.linear import DenseLinear
 from tandem_core.ops.conv import conv_tail
-from tandem_core.state import StateMismatch
+from tandem_core.testing.conformance import RunnerCase, RunnerContract
+from tandem_core.testing.trees import assert_same_state, path_to, plain_rows_of_tree, random_tree
 
 VOCAB = 320
 
@@ -44,120 +36,32 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def eng(qwen38_ckpts):
-    return load_engine(qwen38_ckpts.text.path, max_context=256)
+def qwen38_case(path, dtype: str = "fp32") -> RunnerCase:
+    def build(max_context: int = 256, max_tree: int = 64):
+        from tandem_qwen38.serving import build_engine
+
+        base = load_engine(path, dtype=dtype, max_context=8).runner
+        return build_engine(base.cfg, base.w, max_context, 512, max_tree=max_tree)
+
+    return RunnerCase(build=build, vocab=VOCAB, prompt=lambda n, seed: prompt(n, VOCAB, seed=seed).tolist())
 
 
-@pytest.fixture(scope="module")
-def twin(eng):
-    """A second engine over the same weights: the plain-decode reference."""
-    return type(eng)(eng.cfg, eng.w, max_context=256)
+class TestQwen38Runner(RunnerContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, qwen38_ckpts):
+        return qwen38_case(qwen38_ckpts.text.path)
 
-
-@pytest.fixture(scope="module")
-def rec(twin):
-    return Recorded(twin, prompt(20, VOCAB, seed=21), 68)
-
-
-# -- the engine contract ------------------------------------------------------------------------------
-def test_the_engine_offers_the_tree_and_resume_verbs(eng):
-    assert isinstance(eng, TreeEngine) and isinstance(eng, ResumableEngine)
-    assert eng.caps.tree and eng.caps.resume and eng.caps.recurrent and eng.caps.max_tree == 64
-    names = {n for n in eng.manifest().extra["ops"]}
-    assert {"linear_rows", "gdn_tree", "attention_tree", "causal_conv_tree"} <= names
-
-
-def test_chains_of_every_width_equal_the_decode_rows_and_commit_its_state(eng, rec):
-    check_chains(eng, rec, VOCAB)
-
-
-@pytest.mark.parametrize("size,seed", [(1, 0), (2, 1), (5, 2), (13, 3), (33, 4), (64, 5)])
-def test_random_trees_equal_plain_decode_of_every_nodes_path(eng, twin, rec, size, seed):
-    check_random_tree(eng, twin, rec, size, seed, VOCAB)
-
-
-def test_rejected_branches_leave_no_trace(eng, rec):
-    check_rejected_branches(eng, rec, VOCAB)
-
-
-def test_a_second_tree_replaces_the_first_and_discard_drops_it(eng, rec):
-    check_second_tree(eng, rec)
-
-
-def test_verify_and_commit_refuse_what_they_cannot_do(eng, rec):
-    eng.state.restore(rec.state_at(0))
-    with pytest.raises(ValueError, match="exceed max_tree 64"):
-        eng.forward_block(list(range(65)))
-    with pytest.raises(ValueError, match=r"parents\[1\] = 1"):
-        eng.forward_tree(torch.tensor([1, 2]), torch.tensor([-1, 1]))
-    with pytest.raises(ValueError, match="3 tokens but 2 parents"):
-        eng.forward_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0]))
-    with pytest.raises(ValueError, match="token id 320"):
-        eng.forward_block([1, 320])
-    with pytest.raises(ValueError, match="no tokens"):
-        eng.forward_block([])
-    eng.forward_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, -1]))
-    with pytest.raises(ValueError, match=r"path\[0\] = 7 is not a node"):
-        eng.commit_tree([7])
-    with pytest.raises(ValueError, match=r"path\[1\] = node 2 has parent -1, not 0"):
-        eng.commit_tree([0, 2])
-    small = type(eng)(eng.cfg, eng.w, max_context=24, max_tree=8)
-    small.forward(list(range(20)))
-    with pytest.raises(ValueError, match="exceed max_context 24"):
-        small.forward_block([1, 2, 3, 4, 5])
-    assert small.kv.length == 20
-    small.forward_tree(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([-1, -1, -1, -1, 0]))   # depth 2 fits
-
-
-def test_trim_pending_and_rollback_replay_plain_decode(eng, rec):
-    base = check_trim_pending(eng, rec)
-    with pytest.raises(ValueError, match=f"only pending tokens can be taken back \\(positions {base + 5}"):
-        eng.rollback_to(base + 4)
-    with pytest.raises(ValueError, match="holds"):
-        eng.rollback_to(base + 13)
-    eng.rollback_to(base + 5)                                   # every pending token
-    assert_same_state(eng.state, rec.state_at(5), "after rolling every pending token back")
-    eng.forward_block(rec.tokens[5:9])
-    eng.commit_tree(range(4))
-    eng.settle()
-    with pytest.raises(ValueError, match="0 tokens are pending"):
-        eng.trim_pending(1)
-    with pytest.raises(ValueError, match="only pending tokens"):
-        eng.rollback_to(base + 8)
-    eng.rollback_to(base + 9)                                   # the length itself: nothing to do
-    eng.trim_pending(0)
-    assert_same_state(eng.state, rec.state_at(9))
-
-
-def test_forward_settles_and_a_state_restore_forgets_pending_and_tree(eng, rec):
-    check_forward_settles(eng, rec)
-
-
-def test_resume_at_an_anchor_then_forward_equals_the_plain_run(eng, rec):
-    anchor = rec.state_at(6)                                    # the sections after exactly 6 tokens
-    eng.state.restore(rec.state_at(0))
-    eng.forward_block(rec.tokens[:12])
-    eng.commit_tree(range(12))                                  # the views hold 12 tokens' rows
-    eng.resume_at(anchor.length, {k: v.clone() for k, v in anchor.sections.items()})
-    assert eng.kv.length == anchor.length
-    with pytest.raises(ValueError, match="0 tokens are pending"):
-        eng.trim_pending(1)
-    for j in range(6, 10):
-        assert torch.equal(eng.forward([rec.tokens[j]])[0], rec.rows[j]), f"decode row {j}"
-    out = eng.forward_block(rec.tokens[10:14])
-    assert all(torch.equal(out.logits[i], rec.rows[10 + i]) for i in range(4))
-    eng.commit_tree(range(4))
-    assert_same_state(eng.state, rec.state_at(14), "after resuming and verifying on")
-    eng.resume_at(eng.kv.length)                                 # the caches set the state and say so
-    with pytest.raises(StateMismatch, match="needs the recurrent sections"):
-        eng.resume_at(eng.kv.length - 1)
+    def test_the_reference_runner_verifies_through_the_tree_ops(self, eng):
+        names = {n for n in eng.manifest().extra["ops"]}
+        assert {"linear_rows", "gdn_tree", "attention_tree", "causal_conv_tree"} <= names
+        assert set(eng.state.sections) == {"gdn.S", "gdn.conv"} and set(eng.state.views) == {"K", "V"}
 
 
 @pytest.mark.parametrize("dtype", ["bf16"])
 def test_tree_rows_equal_decode_rows_in_bf16(qwen38_ckpts, dtype):
-    eng = load_engine(qwen38_ckpts.text.path, dtype=dtype, max_context=128)
-    twin = type(eng)(eng.cfg, eng.w, max_context=128)
+    case = qwen38_case(qwen38_ckpts.text.path, dtype)
+    eng, twin = case.build(max_context=128), case.build(max_context=128)
     twin.forward(prompt(17, VOCAB, seed=4))
     base = twin.state.clone()
     tokens, parents = random_tree(random.Random(11), 24, VOCAB)
@@ -168,17 +72,6 @@ def test_tree_rows_equal_decode_rows_in_bf16(qwen38_ckpts, dtype):
     leaf = max(range(24), key=lambda i: len(path_to(parents, i)))
     eng.commit_tree(path_to(parents, leaf))
     assert_same_state(eng.state, states[leaf])
-
-
-# -- speculation with an oracle drafter ----------------------------------------------------------------
-PROMPTS = [prompt(8 + 3 * i, VOCAB, seed=100 + i).tolist() for i in range(14)] + [
-    [5, 6, 7] * 8, [9] * 20, [1, 2] * 11 + [1], [40, 41, 42, 43, 44] * 5, [3] * 3 + [300] * 10, [7, 7, 8] * 9,
-]
-
-
-def test_greedy_speculation_with_an_oracle_drafter_equals_plain_greedy(eng, twin):
-    assert len(PROMPTS) == 20
-    check_oracle_speculation(eng, twin, PROMPTS, VOCAB)
 
 
 # -- the ops on their own -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from tandem_core.drafter import DrafterMismatch, TargetInfo, check_target
 from tandem_core.tokenizer import HFTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT / "plugins" / "drafters") not in sys.path:
     sys.path.insert(0, str(ROOT / "plugins" / "drafters"))
 

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call's work, in parts: tools/gpu_session.sh PART [PART...]; results under $OUT (or ./gpu-out).
+#
+#   setup    the carried wheels (.whl/) and TandemLLM itself (not editable) into /tmp/site; versions; the card
+#   tests    the GPU tests: the CUDA runners' conformance and checks, the kernels against their references,
+#            `tandem serve --device cuda` end to end, the side lane on the CUDA path
+#   serve    tools/bench_serve_gpu.py at the 27B shape (the checkpoint written on the machine's disk)
+#   engine   tools/bench_gpu.py engine with the shipped defaults (no tuning)
+#
+# The device machine has no registry: .whl/ holds what its image lacks (fastapi, uvicorn, pydantic,
+# llguidance, gguf, openai, jsonschema, transformers 5.24.0, flash-linear-attention, ...).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site
+start=$(date +%s)
+say() { echo "[$(( $(date +%s) - start ))s] $*"; }
+
+setup() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed"; exit 3; }
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site \
+        . plugins/llama plugins/qwen38_27b plugins/drafters 2>&1 | tail -3
+    python3 -c "import torch, triton, transformers, fastapi, tandem_core, tandem_qwen38; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+    tandem plugins | head -12
+    nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+    df -h /tmp . | tail -2
+}
+
+tests() {
+    timeout 420 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
+        plugins/qwen38_27b/tests/test_qwen38_gpu.py tests/test_gpu_kernels.py \
+        plugins/llama/tests/test_llama_runner.py::TestLlamaCudaRunner tests/test_server_gpu.py \
+        tests/test_side_lane.py 2>&1 | tee "$OUT/tests.log" | tail -40
+}
+
+serve() {
+    timeout 560 python3 tools/bench_serve_gpu.py --out "$OUT/serve" --ckpt /tmp/ckpt27b --shape 27b \
+        --budget ${SERVE_BUDGET:-480} ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve.log" | tail -60
+    cp "$OUT/serve/serve.md" "$OUT/serve/serve.json" "$OUT/" 2>/dev/null
+}
+
+engine() {
+    timeout 560 python3 tools/bench_gpu.py engine --out "$OUT/engine" --no-tune --budget ${ENGINE_BUDGET:-420} \
+        2>&1 | tee "$OUT/engine.log" | tail -60
+    cp "$OUT/engine/engine.json" "$OUT/" 2>/dev/null
+}
+
+for part in "$@"; do
+    say "== $part"
+    "$part"
+done
+say "done"
