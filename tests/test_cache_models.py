@@ -1,7 +1,9 @@
 """Real engines through every cache tier: a restore, then the rest of the prompt, equals a cold prefill.
 
 For the tiny Qwen3.8 checkpoint (Gated DeltaNet + gated attention, written by
-transformers 5.24 with ``save_pretrained``) and a tiny Llama (attention only, likewise),
+transformers 5.24 with ``save_pretrained``), the tiny Flash-Next (``qwen4_exp``: Gated DeltaNet, QSA
+indexed attention, MoE, hyper-connections, PLE with its n-gram context and dilated conv as sections;
+likewise) and a tiny Llama (attention only, likewise),
 in fp32 on the CPU, a prompt resumed from
 
 - the resident prefix (the end anchor of the last generation: turn n+1 = turn n's
@@ -32,6 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest_flashnext import flashnext_ckpts  # noqa: F401  (fixture)
+from conftest_flashnext import load_engine as load_flashnext
 from conftest_qwen38 import load_engine, qwen38_ckpts, write_tokenizer  # noqa: F401  (fixture)
 
 from tandem_core.cache import CacheStack, DiskTier, ResidentPrefix, SnapshotStore
@@ -103,7 +107,14 @@ def llama(tmp_path_factory):
     return Model("llama", path, cfg.vocab_size, LLAMA_BOUND, load, model)
 
 
-@pytest.fixture(params=["qwen", "llama"])
+@pytest.fixture(scope="module")
+def flashnext(flashnext_ckpts):  # noqa: F811
+    ck = flashnext_ckpts.text
+    return Model("flashnext", ck.path, ck.model.config.vocab_size, QWEN_BOUND,
+                 lambda: load_flashnext(ck.path, max_context=640), ck.model)
+
+
+@pytest.fixture(params=["qwen", "flashnext", "llama"])
 def model(request) -> Model:
     return request.getfixturevalue(request.param)
 

@@ -17,8 +17,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from tandem_core.engine import TreeStep
+
 from tandem_flashnext.config import FlashNextConfig
-from tandem_flashnext.steps import MatMul, TreeStep
+from tandem_flashnext.steps import MatMul
 from tandem_flashnext.weights import ExpertWeights, GDNWeights, HyperWeights, LayerWeights, MoEWeights
 
 __all__ = ["hyper_mix", "hyper_inject", "stream_norm", "decoder_block", "RuleRows", "gated_deltanet", "moe",
@@ -65,18 +67,20 @@ def decoder_block(op: Ops, mm: MatMul, x: torch.Tensor, layer: LayerWeights, cfg
                   name: str = "") -> torch.Tensor:
     """One decoder layer on the streams ``x: [T, n*H]`` (after its PLE, if any): the attention
     hyper-connection around ``mixer`` (``[T, H] -> [T, H]``: the layer's Gated DeltaNet or attention), then
-    the MLP hyper-connection around the MoE. ``capture`` gets the streams after each (``name`` mixer/mlp)."""
+    the MLP hyper-connection around the MoE. ``capture`` gets each block's output ``[T, H]`` (``name``
+    mixer / mlp): a row that differs there differs in that block."""
     h, inject = hyper_mix(op, mm, x, layer.attn_hc, cfg)                       # h: [T, H]
     assert inject is not None
-    x = hyper_inject(x, mixer(h), inject)
+    out = mixer(h)
     if capture is not None:
-        capture.append((f"{name} {layer.kind} mixer", x.clone()))
+        capture.append((f"{name} {layer.kind} mixer", out.clone()))
+    x = hyper_inject(x, out, inject)
     h, inject = hyper_mix(op, mm, x, layer.mlp_hc, cfg)
     assert inject is not None
-    x = hyper_inject(x, moe(op, mm, h, layer.moe, cfg.num_experts_per_tok), inject)
+    out = moe(op, mm, h, layer.moe, cfg.num_experts_per_tok)
     if capture is not None:
-        capture.append((f"{name} mlp", x.clone()))
-    return x
+        capture.append((f"{name} mlp", out.clone()))
+    return hyper_inject(x, out, inject)
 
 
 # -- the Gated DeltaNet mixer ------------------------------------------------------------------------
@@ -132,7 +136,7 @@ def gated_deltanet(op: Ops, mm: MatMul, x: torch.Tensor, w: GDNWeights, cfg: Fla
         o = op["gdn_tree"](q, k, v, g, beta, S, step.parents, scale=scale)
         rule = RuleRows(qkv_in, q, k, v, g, beta)
     else:
-        if step.rowwise:
+        if step.count == 1:
             o, new = op["gdn_recurrent"](q, k, v, g, beta, S, scale=scale)
         else:
             o, new = op["gdn_chunk"](q, k, v, g, beta, S, scale=scale, chunk=gdn_chunk)

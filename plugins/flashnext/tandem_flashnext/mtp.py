@@ -30,13 +30,14 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from tandem_core import ops
+from tandem_core.engine import Step
 from tandem_core.ops import rope as _rope
 
 from tandem_flashnext.blocks import decoder_block, hyper_mix
 from tandem_flashnext.config import INDEXED, FlashNextConfig
 from tandem_flashnext.layout import expected_mtp_tensors
 from tandem_flashnext.qsa import indexed_attention
-from tandem_flashnext.steps import Step, batched
+from tandem_flashnext.steps import batched, rowwise
 from tandem_flashnext.weights import (AttentionWeights, Builder, Checkpoint, FlashNextWeights, HyperWeights,
                                       LayerWeights, normalise_dtype)
 
@@ -152,7 +153,7 @@ class MTPHead:
             raise ValueError(f"MTP head: positions up to {start + T - 1} exceed max_context "
                              f"{self.max_context}")
         step = Step(int(start), T)
-        mm = op["linear_rows"] if step.rowwise else batched
+        mm = op["linear_rows"] if rowwise(step) else batched
         # [T, H]
         e = mm(w.fc_embed, op["rms_norm_1p"](self.target.embed[tokens.reshape(-1)], w.norm_embed, eps))
         # [T, n*H]

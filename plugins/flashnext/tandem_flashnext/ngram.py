@@ -18,11 +18,12 @@ with the module's odd multipliers ``m_u`` (splitmix64 of ``seed + 10007 * m`` an
 each below ``2^63 / vocab_size`` so no product overflows int64). The embedding of a
 token is its ``heads`` rows side by side (``[ple_embed_dim]``).
 
-Only the ``ngram_size - 1`` tokens before a step matter, so the model keeps them as a
-section (``ngram.ctx``, the raw token ids, ``eos`` before the sequence's first token):
-a step's rows are computed from ``windows`` of ``ngram_size`` tokens (the context
-then the token, oldest first) whatever the step's size, and a tree node's window is
-its own path's.
+Only the ``ngram_size - 1`` tokens before a step matter, so the runner keeps them as a
+section (``ngram.ctx``: each token id plus one, 0 before the sequence's first token, so a
+zeroed section is a fresh sequence; ``read_context`` turns it into ids, 0 into ``eos``, which
+is how the hashing treats the start): a step's rows are computed from ``windows`` of
+``ngram_size`` tokens (the context then the token, oldest first) whatever the step's size,
+and a tree node's window is its own path's.
 
 The tables are the largest tensors of the checkpoint (~95 GiB in bf16 at the published
 shape): ``RowTable`` memory-maps them from the safetensors shards and gathers the few
@@ -44,7 +45,7 @@ from tandem_core.ops._tree import ancestors, as_parents
 from tandem_flashnext.config import FlashNextConfig
 
 __all__ = ["NGramHash", "ngram_hashes", "table_rows", "layer_multipliers", "windows", "tree_windows",
-           "context_after", "RowTable", "MappedPart"]
+           "context_after", "read_context", "RowTable", "MappedPart"]
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15          # splitmix64's increment
@@ -170,6 +171,11 @@ def windows(ctx: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     hist = torch.cat([ctx.to(ids.device), ids])                     # [n-1+T]
     n = ctx.numel() + 1
     return hist.unfold(0, n, 1)                                      # [T, n]
+
+
+def read_context(section: torch.Tensor, eos: int) -> torch.Tensor:
+    """The ``ngram.ctx`` section (ids plus one, 0 before the sequence) as token ids (eos before it)."""
+    return torch.where(section > 0, section - 1, torch.full_like(section, eos))
 
 
 def context_after(ctx: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

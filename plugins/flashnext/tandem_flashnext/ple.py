@@ -29,11 +29,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from tandem_core.engine import TreeStep
 from tandem_core.ops._tree import ancestors, as_parents
 
 from tandem_flashnext.config import FlashNextConfig
 from tandem_flashnext.ngram import tree_windows, windows
-from tandem_flashnext.steps import MatMul, TreeStep
+from tandem_flashnext.steps import MatMul
 from tandem_flashnext.weights import PLEWeights
 
 __all__ = ["ple", "dilated_conv", "dilated_conv_tree"]

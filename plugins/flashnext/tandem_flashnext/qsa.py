@@ -28,11 +28,12 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from tandem_core.engine import TreeStep
 from tandem_core.ops import rope as _rope
 from tandem_core.ops.attention import causal_mask
 
 from tandem_flashnext.config import FlashNextConfig
-from tandem_flashnext.steps import MatMul, TreeStep
+from tandem_flashnext.steps import MatMul
 from tandem_flashnext.weights import AttentionWeights
 
 __all__ = ["AttentionRows", "indexed_attention", "block_keys", "selection"]
@@ -110,7 +111,7 @@ def indexed_attention(op: Ops, mm: MatMul, x: torch.Tensor, w: AttentionWeights,
 
     if isinstance(step, TreeStep):
         o = torch.empty_like(q)
-        for i in step.preorder:                                                # ancestors first
+        for i in step.order:                                                # ancestors first
             p = step.start + step.depth[i]
             K[:, p], V[:, p], IK[p] = k[i], v[i], ik[i]
             o[i] = _attend_one(op, q[i:i + 1], iq[i], p, K, V, IK, w, cfg, inv_freq, scale)[0]
@@ -118,7 +119,7 @@ def indexed_attention(op: Ops, mm: MatMul, x: torch.Tensor, w: AttentionWeights,
     else:
         start, end = step.start, step.start + T
         K[:, start:end], V[:, start:end], IK[start:end] = k.transpose(0, 1), v.transpose(0, 1), ik
-        if step.rowwise:
+        if step.count == 1:
             o = _attend_one(op, q, iq[0], start, K, V, IK, w, cfg, inv_freq, scale)
         else:
             mask = causal_mask(start, T, x.device)                             # mask: [T, end]

@@ -36,7 +36,7 @@ import torch
 from conftest_qwen38 import TinyCheckpoint, rerandomise, save_tiny, wrap_text
 from mtp_reference import add_head, reference_head
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PLUGIN_SRC = ROOT / "plugins" / "flashnext"
 if str(PLUGIN_SRC) not in sys.path:  # the plugin's source tree, whether or not it is pip-installed
     sys.path.insert(0, str(PLUGIN_SRC))
@@ -124,14 +124,15 @@ def open_dir(path: Path):
     return cfg, open_checkpoint(path, cfg)
 
 
-def load_model(path: Path, *, dtype: str = "fp32", max_context: int = 256, gdn_chunk: int = 64):
-    """Config -> audit -> weights -> model, the way ``serve`` does it (no tokenizer)."""
-    from tandem_flashnext.model import FlashNextModel
+def load_engine(path: Path, *, dtype: str = "fp32", max_context: int = 256, prefill_chunk: int = 512,
+                gdn_chunk: int = 64, max_tree: int = 64, last_streams: bool = False):
+    """Config -> audit -> weights -> the core's engine over the runner, the way ``serve`` builds it."""
+    from tandem_flashnext.serving import build_engine
     from tandem_flashnext.weights import load_weights
 
     cfg, ckpt = open_dir(path)
     weights = load_weights(ckpt, cfg, dtype)
-    return FlashNextModel(cfg, weights, max_context=max_context, gdn_chunk=gdn_chunk)
+    return build_engine(cfg, weights, max_context, prefill_chunk, max_tree, gdn_chunk, last_streams)
 
 
 def prompt(n: int, vocab: int = 320, seed: int = 5) -> torch.Tensor:

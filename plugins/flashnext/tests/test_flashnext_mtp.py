@@ -13,14 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest_flashnext import (  # noqa: F401  (fixtures)
-    flashnext_ckpts, load_model, one_thread, open_dir, per_position, prompt, rel_err)
+    flashnext_ckpts, load_engine, one_thread, open_dir, per_position, prompt, rel_err)
 from mtp_reference import target_streams
 
 from tandem_core.checkpoint.audit import AuditError
 from tandem_flashnext.config import read_config
-from tandem_flashnext.model import FlashNextModel
 from tandem_flashnext.mtp import MTPHead, load_mtp
-from tandem_flashnext.steps import tree_step
 from tandem_flashnext.weights import load_weights, open_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,21 +46,30 @@ def test_a_checkpoint_without_a_head_has_none(flashnext_ckpts):
 
 
 def test_the_target_gives_the_head_its_streams(flashnext_ckpts, inputs):
+    """The last layer's tap is the target's streams before its final mixer (transformers'); ``mtp.h_last`` is
+    the last committed token's, after a prefill, a decode step and a commit."""
     ids, streams = inputs
-    cfg = read_config(flashnext_ckpts.mtp.raw_config)
-    model = load_model(flashnext_ckpts.mtp.path)
-    model = FlashNextModel(cfg, model.w, max_context=128, taps=[cfg.num_hidden_layers - 1], last_streams=True)
-    rows = model.prefill(ids[:T - 3], 0)
-    assert rel_err(rows.taps[cfg.num_hidden_layers - 1], streams[:T - 3]) < 1e-4
-    sections, _ = model.buffers()
-    assert torch.equal(sections["mtp.h_last"], rows.taps[cfg.num_hidden_layers - 1][-1])
-    last = model.decode(ids[T - 3:T - 2], T - 3).taps[cfg.num_hidden_layers - 1][0]
-    assert torch.equal(sections["mtp.h_last"], last)
-    tree = tree_step(T - 2, [-1, 0, -1])                     # a commit leaves its path's last streams
-    verified = model.verify(ids[T - 2:T + 1], tree).taps[cfg.num_hidden_layers - 1]
-    model.commit(tree, [0, 1])
-    assert torch.equal(sections["mtp.h_last"], verified[1])
-    assert rel_err(verified[1], streams[T - 1]) < 1e-4
+    eng = load_engine(flashnext_ckpts.mtp.path, last_streams=True)
+    last = eng.runner.cfg.num_hidden_layers - 1
+    eng.tap([last])
+    eng.forward(ids[:T - 3])
+    h_last = eng.state.sections["mtp.h_last"]
+    assert rel_err(eng.hidden_at(last), streams[:T - 3]) < 1e-4
+    assert torch.equal(h_last, eng.hidden_at(last)[-1])
+    eng.forward(ids[T - 3:T - 2])
+    assert torch.equal(h_last, eng.hidden_at(last)[0])
+    eng.forward_tree(ids[T - 2:T + 1], [-1, 0, -1])
+    verified = eng.hidden_at(last).clone()
+    eng.commit_tree([0, 1])
+    assert torch.equal(h_last, verified[1]) and rel_err(verified[1], streams[T - 1]) < 1e-4
+    eng.trim_pending(1)                                       # taken back: the streams of the token before
+    assert torch.equal(h_last, verified[0])
+
+
+def test_the_target_reads_the_same_with_its_head(flashnext_ckpts):
+    ids = prompt(30)
+    assert torch.equal(load_engine(flashnext_ckpts.mtp.path).forward(ids, all_logits=True),
+                       load_engine(flashnext_ckpts.text.path).forward(ids, all_logits=True))
 
 
 def test_the_heads_prefill_equals_the_reference_at_every_position(flashnext_ckpts, head, inputs):
@@ -96,12 +103,6 @@ def test_a_chained_draft_equals_the_reference_fed_its_own_outputs(flashnext_ckpt
         tokens = torch.cat([tokens, top.indices[:1]])
         states = torch.cat([states, ref_s[-1:]])
     assert (draft.probs[:, 0] >= draft.probs[:, 1]).all()
-
-
-def test_the_target_reads_the_same_with_its_head(flashnext_ckpts):
-    ids = prompt(30)
-    assert torch.equal(load_model(flashnext_ckpts.mtp.path).prefill(ids, 0).logits,
-                       load_model(flashnext_ckpts.text.path).prefill(ids, 0).logits)
 
 
 @pytest.fixture
