@@ -20,7 +20,7 @@ say() { echo "[$(( $(date +%s) - start ))s] $*"; }
 setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "wheel install failed"; exit 3; }
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site \
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site \
         . plugins/llama plugins/qwen38_27b plugins/drafters 2>&1 | tail -3
     python3 -c "import torch, triton, transformers, fastapi, tandem_core, tandem_qwen38; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
     tandem plugins | head -12
@@ -30,9 +30,9 @@ setup() {
 
 tests() {
     timeout 420 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
-        plugins/qwen38_27b/tests/test_qwen38_gpu.py tests/test_gpu_kernels.py \
+        ${TESTS:-plugins/qwen38_27b/tests/test_qwen38_gpu.py tests/test_gpu_kernels.py \
         plugins/llama/tests/test_llama_runner.py::TestLlamaCudaRunner tests/test_server_gpu.py \
-        tests/test_side_lane.py 2>&1 | tee "$OUT/tests.log" | tail -40
+        tests/test_side_lane.py} 2>&1 | tee "$OUT/tests.log" | tail -40
 }
 
 serve() {

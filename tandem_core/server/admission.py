@@ -15,7 +15,7 @@ import asyncio
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tandem_core.engine import Engine
 
@@ -55,11 +55,18 @@ class Admission:
     def busy(self) -> int:
         return len(self.slots) - len(self.free)
 
-    def enter(self) -> Ticket:
-        """A ticket whose slot is ready now or later; ``QueueFull`` if the queue is full."""
+    def enter(self, affinity: Callable[[Slot], int] | None = None) -> Ticket:
+        """A ticket whose slot is ready now or later; ``QueueFull`` if the queue is full. ``affinity(slot)``: how
+        much of the request an engine already holds (its resident prefix); of the free engines the request
+        gets the one that holds most (the first free one on a tie), so a session's next turn lands where its
+        previous turn left its state."""
         fut: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         if self.free and not self.waiting:
-            fut.set_result(self.free.popleft())
+            best = self.free[0]
+            if affinity is not None and len(self.free) > 1:
+                best = max(self.free, key=affinity)          # max keeps the first of equal scores
+            self.free.remove(best)
+            fut.set_result(best)
         elif len(self.waiting) >= self.limit:
             raise QueueFull(len(self.waiting), self.retry_after(len(self.waiting) + 1))
         else:

@@ -229,6 +229,13 @@ class ServerState:
         fut.add_done_callback(lambda _f: self.active.discard(side.cancel))
         return fut, side.cancel
 
+    def affinity(self, job: Job) -> Callable[[Slot], int] | None:
+        """How much of ``job``'s prompt each engine's resident prefix holds (None without caches)."""
+        if self.caches is None or len(self.admission.slots) < 2:
+            return None
+        caches = self.caches
+        return lambda slot: caches.engine(slot.index).holds(job.decode.prompt)
+
     def admit(self, job: Job, slot: Slot) -> None:
         """The memory gate before the request runs: ``MemoryGateError`` for a prompt that can never fit."""
         if self.caches is not None:
@@ -495,7 +502,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
         if is_short(job) and not state.admission.free and state.side_room():
             return await side(request, job)     # no await before it is offered: the lane cannot close first
         try:
-            ticket = state.admission.enter()
+            ticket = state.admission.enter(state.affinity(job))
         except QueueFull as exc:
             state.metrics.reject("queue_full")
             return _error(429, str(exc), kind="rate_limit_error", code="queue_full",

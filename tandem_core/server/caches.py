@@ -38,10 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
+import numpy as np
+
 import torch
 
 from tandem_core.cache.base import (
-    CacheContext, CostModel, PrefillStart, Releasable, SnapshotTier, TierStats, as_tokens,
+    CacheContext, CostModel, PrefillStart, Releasable, SnapshotTier, TierStats, as_tokens, common_prefix,
 )
 from tandem_core.cache.gate import GateResult, MemoryGate, MemoryGateError, human_bytes
 from tandem_core.cache.resident import ResidentPrefix
@@ -174,6 +176,12 @@ class EngineCaches:
         self.gate = gate
         self.last: PrefillStart | None = None      # the last prefill's start (for /health)
         self.busy = threading.Lock()               # held while a request runs on the engine
+
+    def holds(self, prompt: Sequence[int]) -> int:
+        """How many of ``prompt``'s first tokens this engine's resident prefix holds (where its prefill would
+        start): the admission sends a request to the engine that holds most of it."""
+        held = np.asarray(self.stack.resident.tokens, dtype=np.int64)
+        return common_prefix(held, np.asarray(prompt, dtype=np.int64)) if len(held) else 0
 
     # -- the decode loop's hooks ----------------------------------------------------------
     def decode_hooks(self) -> dict[str, Any]:

@@ -115,8 +115,12 @@ class Grammars:
                 if not available(self.tokenizer):
                     raise GrammarError("constrained decoding needs a tokenizer.json tokenizer; this model's "
                                        "tokenizer is not one")
-                self._lt = llguidance.LLTokenizer(self.tokenizer.to_json(),  # type: ignore[attr-defined]
-                                                  eos_token=self.stop_ids or None)
+                try:
+                    self._lt = llguidance.LLTokenizer(self.tokenizer.to_json(),  # type: ignore[attr-defined]
+                                                      eos_token=self.stop_ids or None)
+                except Exception as exc:  # llguidance refuses the tokenizer (one it cannot decode, say)
+                    raise GrammarError(f"constrained decoding cannot read this model's tokenizer "
+                                       f"({' '.join(str(exc).split())})") from exc
             return self._lt
 
     def constraint(self, lark: str) -> GrammarConstraint:

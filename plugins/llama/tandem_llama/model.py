@@ -350,7 +350,7 @@ class LlamaRunner:
         # h: [T, H] (normed) -> [T, H]: down(silu(gate(h)) * up(h)); silu from tandem_core.ops.act
         mm, inter = self._mm(step), self.cfg.intermediate_size
         gu = mm(lw.gate_up, h)  # [T, 2I]
-        return mm(lw.down, self._ops["silu"](gu[:, :inter]) * gu[:, inter:])
+        return mm(lw.down, self._ops["silu"](gu[:, :inter]).to(self.act) * gu[:, inter:])
 
     # -- what computes the rows ----------------------------------------------------------------------
     def manifest(self) -> Manifest:
