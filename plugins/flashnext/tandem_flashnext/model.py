@@ -215,7 +215,7 @@ class FlashNextRunner:
         return rows
 
     def replay(self, kept: Sequence[PathRows], n: int) -> PathRows:
-        """The sections advanced along the first ``n`` kept tokens (the engine restored the settle point's)."""
+        """The sections advanced along the first ``n`` kept tokens (restored to the settle point first)."""
         rows = PathRows.cat(list(kept)).head(n)
         self._advance(rows)
         return rows
