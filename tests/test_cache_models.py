@@ -1,9 +1,10 @@
 """Real engines through every cache tier: a restore, then the rest of the prompt, equals a cold prefill.
 
 For the tiny Qwen3.8 checkpoint (Gated DeltaNet + gated attention, written by
-transformers 5.24 with ``save_pretrained``), a tiny Llama (attention only, likewise) and a
-tiny LFM2 mixture of experts (gated short convolutions + attention, likewise), in fp32 on
-the CPU, a prompt resumed from
+transformers 5.24 with ``save_pretrained``), the tiny Flash-Next (``qwen4_exp``: Gated DeltaNet, QSA
+indexed attention, MoE, hyper-connections, PLE with its n-gram context and dilated conv as sections;
+likewise), a tiny Llama (attention only, likewise) and a tiny LFM2 mixture of experts (gated short
+convolutions + attention, likewise), in fp32 on the CPU, a prompt resumed from
 
 - the resident prefix (the end anchor of the last generation: turn n+1 = turn n's
   prompt + answer + tool result; and a grid anchor for a prompt that diverges),
@@ -35,6 +36,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest_flashnext import flashnext_ckpts  # noqa: F401  (fixture)
+from conftest_flashnext import load_engine as load_flashnext
 from conftest_lfm25 import lfm25_ckpts  # noqa: F401  (fixture)
 from conftest_lfm25 import load_engine as load_lfm25
 from conftest_qwen38 import load_engine, qwen38_ckpts, write_tokenizer  # noqa: F401  (fixture)
@@ -116,7 +119,14 @@ def lfm25(lfm25_ckpts):  # noqa: F811
                  lambda: load_lfm25(ck.path, max_context=640), ck.model)
 
 
-@pytest.fixture(params=["qwen", "llama", "lfm25"])
+@pytest.fixture(scope="module")
+def flashnext(flashnext_ckpts):  # noqa: F811
+    ck = flashnext_ckpts.text
+    return Model("flashnext", ck.path, ck.model.config.vocab_size, QWEN_BOUND,
+                 lambda: load_flashnext(ck.path, max_context=640), ck.model)
+
+
+@pytest.fixture(params=["qwen", "flashnext", "llama", "lfm25"])
 def model(request) -> Model:
     return request.getfixturevalue(request.param)
 

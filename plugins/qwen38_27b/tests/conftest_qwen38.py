@@ -116,9 +116,25 @@ def build_text(path: Path, seed: int = SEED, **overrides: Any) -> TinyCheckpoint
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TEXT, **overrides})).float().eval()
     rerandomise(model, seed)
+    return save_tiny(path, model, model.config.vocab_size)
+
+
+def save_tiny(path: Path, model: Any, vocab_size: int) -> TinyCheckpoint:
+    """``save_pretrained`` with a tiny tokenizer beside it."""
     model.save_pretrained(path)
-    write_tokenizer(path, model.config.vocab_size)
+    write_tokenizer(path, vocab_size)
     return TinyCheckpoint(path, model, json.loads((path / "config.json").read_text()))
+
+
+def wrap_text(path: Path, model: Any, text_model: Any, seed: int) -> TinyCheckpoint:
+    """A vision-language wrapper ``model`` (freshly built) around ``text_model``'s weights, its vision tower
+    re-randomised from ``seed + 1``, saved."""
+    model = model.float().eval()
+    rerandomise(model, seed + 1)
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(text_model.model.state_dict())
+        model.lm_head.weight.copy_(text_model.lm_head.weight)
+    return save_tiny(path, model, model.config.text_config.vocab_size)
 
 
 def build_vl(path: Path, text_model: Any, seed: int = SEED) -> TinyCheckpoint:
@@ -127,14 +143,7 @@ def build_vl(path: Path, text_model: Any, seed: int = SEED) -> TinyCheckpoint:
 
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=dict(TEXT), vision_config=VISION))
-    model = model.float().eval()
-    rerandomise(model, seed + 1)
-    with torch.no_grad():
-        model.model.language_model.load_state_dict(text_model.model.state_dict())
-        model.lm_head.weight.copy_(text_model.lm_head.weight)
-    model.save_pretrained(path)
-    write_tokenizer(path, model.config.text_config.vocab_size)
-    return TinyCheckpoint(path, model, json.loads((path / "config.json").read_text()))
+    return wrap_text(path, model, text_model, seed)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,131 @@
+"""``serve(args, ctx) -> Served``: everything the server needs for a Flash-Next (``qwen4_exp``) checkpoint.
+
+Stages (each marked on ``ctx``): ``config`` (strict read of config.json), ``audit`` (headers,
+layout and audit: nothing loaded yet), ``weights`` (every tensor but the PLE tables, which are
+memory-mapped; ``ctx.progress`` per tensor), ``engine`` (the core's ``SequenceEngine`` over a
+``FlashNextRunner`` with buffers for ``max_context``), ``tokenizer`` (tokenizer.json and the chat
+template). The model writes a ``<think>`` block (``reasoning``) and tool calls in Qwen's XML form
+(``tool_format="qwen_xml"``). ``spawn`` builds another engine over the same weight objects with its
+own buffers. Options read: ``prefill_chunk`` (default the ``FLASHNEXT_PREFILL_CHUNK`` setting) and
+``max_tree`` (the widest verify, default 64).
+
+The checkpoint's MTP head (``mtp.*``) is audited with the rest and named in the record; no drafter
+reads it yet, so it is not loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tandem_core.checkpoint.config import ConfigError
+from tandem_core.engine import SequenceEngine
+from tandem_core.serving import ServeArgs, ServeContext, Served
+from tandem_core.settings import SETTINGS
+from tandem_core.tokenizer import HFTokenizer, load_chat_template
+
+from tandem_flashnext.config import FlashNextConfig, read_config
+from tandem_flashnext.model import FlashNextRunner
+from tandem_flashnext.weights import FlashNextWeights, load_weights, normalise_dtype, open_checkpoint
+
+__all__ = ["serve", "ServeError", "build_engine"]
+
+
+class ServeError(RuntimeError):
+    """The checkpoint directory cannot be served; the message names the file."""
+
+
+def build_engine(cfg: FlashNextConfig, weights: FlashNextWeights, max_context: int, prefill_chunk: int,
+                 max_tree: int = 64, gdn_chunk: int = 64, last_streams: bool = False) -> SequenceEngine:
+    """The core's sequence engine over the reference runner (any device the weights are on)."""
+    runner = FlashNextRunner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
+                             gdn_chunk=gdn_chunk, max_tree=max_tree, last_streams=last_streams)
+    return SequenceEngine(runner, name="qwen4_exp")
+
+
+def _think_in_prompt(served: Served) -> bool:
+    """True when the template's generation prompt for one user message ends inside an open ``<think>``."""
+    from tandem_core.server.parse import think_open_at_end
+    from tandem_core.server.template import TemplateError, render_chat
+
+    try:
+        prompt = render_chat(served, [{"role": "user", "content": "hello"}])
+    except TemplateError as exc:
+        raise ServeError(f"the chat template does not render a one-message conversation: {exc}") from exc
+    return think_open_at_end(prompt)
+
+
+def serve(args: ServeArgs, ctx: ServeContext) -> Served:
+    """Load the checkpoint at ``args.path`` and build the engine, the tokenizer and the template."""
+    d = Path(args.path)
+    for name in ("config.json", "tokenizer.json"):
+        if not (d / name).exists():
+            raise ServeError(f"{d}: no {name} (a qwen4_exp checkpoint directory needs the model's {name})")
+    try:
+        raw = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ServeError(f"{d / 'config.json'}: not valid JSON ({exc})") from exc
+    cfg = read_config(raw)
+    dtype = normalise_dtype(args.dtype)
+    ctx.mark("config")
+
+    ckpt = open_checkpoint(d, cfg)
+    ctx.mark("audit")
+    weights = load_weights(ckpt, cfg, dtype, args.device, progress=ctx.progress)
+    ctx.mark("weights")
+
+    max_context = int(args.max_context)
+    if max_context > cfg.max_position_embeddings:
+        ctx.log(f"max_context {max_context} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}; using {cfg.max_position_embeddings}")
+        max_context = cfg.max_position_embeddings
+    prefill_chunk = int(args.options.get("prefill_chunk", SETTINGS.get("FLASHNEXT_PREFILL_CHUNK")))
+    if prefill_chunk < 1:
+        raise ServeError(f"prefill_chunk {prefill_chunk}: must be positive")
+    max_tree = int(args.options.get("max_tree", 64))
+    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+    ctx.mark("engine")
+
+    tokenizer = HFTokenizer.from_dir(d)
+    template = load_chat_template(d)
+    if not template:
+        raise ServeError(f"{d}: no chat template (neither chat_template.jinja nor tokenizer_config.json's "
+                         f"chat_template)")
+    stop_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *cfg.eos_token_ids]))
+    if not stop_ids:
+        raise ConfigError(f"{d}: no stop token: tokenizer_config.json names no eos_token and neither "
+                          f"config.json nor generation_config.json has an eos_token_id")
+
+    manifest = engine.manifest()
+    info: dict[str, Any] = {
+        "weights": str(d),
+        "architecture": cfg.architecture,
+        "dtype": dtype,
+        "device": str(weights.device),
+        "parameters": weights.parameter_count(),
+        "layers": {"gated_deltanet": len(cfg.linear_layers), "indexed_attention": len(cfg.attention_layers),
+                   "ple": len(cfg.ple_layer_ids)},
+        "experts": {"routed": cfg.num_experts, "per_token": cfg.num_experts_per_tok},
+        "mtp_head": {"layers": ckpt.mtp_layers, "served": False},
+        "max_context": max_context,
+        "prefill_chunk": prefill_chunk,
+        "tied_head": weights.tied,
+        "skipped": ckpt.skipped,
+        "fingerprints": {"weights": weights.identity, "tokenizer": tokenizer.fingerprint(),
+                         "manifest": manifest.fingerprint()},
+        "memory": [part._asdict() for part in engine.memory_parts()],
+    }
+    ctx.log(f"qwen4_exp: {info['parameters']:,} parameters in {dtype} on {weights.device} "
+            f"({weights.table_bytes / 2**30:.2f} GiB of PLE tables memory-mapped on the host), "
+            f"{sum(ckpt.skipped.values())} tensors skipped ({', '.join(sorted(ckpt.skipped)) or 'none'})")
+
+    def spawn() -> SequenceEngine:
+        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+
+    served = Served(model_id=args.model_id, engine=engine, tokenizer=tokenizer, chat_template=template,
+                    tool_format="qwen_xml", reasoning=True, stop_ids=stop_ids, info=info, spawn=spawn)
+    served = replace(served, think_in_prompt=_think_in_prompt(served))
+    ctx.mark("tokenizer")
+    return served
