@@ -58,3 +58,39 @@ def split_text_config(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
         outer = {k: v for k, v in raw.items() if k != "text_config"}
         return dict(raw["text_config"]), outer
     return dict(raw), {}
+
+
+# -- typed fields: every family's reader names the field and the file when a value is wrong -------------
+def int_field(raw: Mapping[str, Any], key: str, where: str, default: Any = None, minimum: int = 1) -> int:
+    """``raw[key]`` (or ``default``) as an integer ``>= minimum``; missing (no default) or another value refused."""
+    value = raw.get(key, default)
+    if value is None:
+        raise ConfigError(f"{where}: field {key!r} is required")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
+        raise ConfigError(f"{where}: field {key!r} = {value!r} is not {kind}")
+    return value
+
+
+def float_field(raw: Mapping[str, Any], key: str, where: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a number")
+    return float(value)
+
+
+def bool_field(raw: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a boolean")
+    return value
+
+
+def token_ids(value: Any, key: str, where: str) -> tuple[int, ...]:
+    """A token id or a list of them (``eos_token_id``) as a tuple; None is ``()``."""
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else None
+    if values is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a token id or a list of them")
+    return tuple(values)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tandem_core.checkpoint.config import ConfigError, FieldPolicy, read_strict, split_text_config
+from tandem_core.checkpoint.config import int_field as _int, token_ids as _ids
 
 __all__ = ["FlashNextConfig", "read_config", "TEXT_POLICY", "OUTER_POLICY", "ROPE_POLICY", "MTP_POLICY",
            "LINEAR", "INDEXED"]
@@ -215,23 +216,8 @@ class FlashNextConfig:
         return self.eos_token_ids[0]
 
 
-def _int(text: Mapping[str, Any], key: str, where: str, default: Any = None, *, zero: bool = False) -> int:
-    value = text.get(key, default)
-    if value is None:
-        raise ConfigError(f"{where}: field {key!r} is required")
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
-        kind = "non-negative" if zero else "positive"
-        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a {kind} integer")
-    return value
 
 
-def _ids(value: Any, key: str, where: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    values = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else None
-    if values is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a token id or a list of them")
-    return tuple(values)
 
 
 def _layer_types(text: Mapping[str, Any], n_layers: int, where: str) -> tuple[str, ...]:
@@ -258,14 +244,14 @@ def _mtp(text: Mapping[str, Any], where: str, theta: float) -> int | None:
     """The MTP head's layer count as the config gives it (``mtp_num_hidden_layers`` and/or the ``mtp``
     sub-config, which must agree and describe full-attention layers at the target's rope), or None."""
     count = None if text.get("mtp_num_hidden_layers") is None else \
-        _int(text, "mtp_num_hidden_layers", where, zero=True)
+        _int(text, "mtp_num_hidden_layers", where, minimum=0)
     sub = text.get("mtp")
     if sub is None:
         return count
     if not isinstance(sub, Mapping):
         raise ConfigError(f"{where}: field 'mtp' = {sub!r} is not a mapping")
     mtp = read_strict(sub, MTP_POLICY, f"{where} mtp")
-    n = _int(mtp, "num_hidden_layers", f"{where} mtp", default=count if count is not None else 1, zero=True)
+    n = _int(mtp, "num_hidden_layers", f"{where} mtp", default=count if count is not None else 1, minimum=0)
     if count is not None and n != count:
         raise ConfigError(f"{where}: field 'mtp.num_hidden_layers' = {n} disagrees with "
                           f"mtp_num_hidden_layers = {count}")
@@ -335,7 +321,7 @@ def _ple(text: Mapping[str, Any], where: str, types: tuple[str, ...], hidden: in
         "ngram_vocab_size_base": _int(text, "ngram_vocab_size_base", where, default=20_000_000),
         "make_ngram_vocab_size_divisible_by": _int(text, "make_ngram_vocab_size_divisible_by", where,
                                                    default=128),
-        "seed": _int(text, "seed", where, default=1234, zero=True),
+        "seed": _int(text, "seed", where, default=1234, minimum=0),
         "split_ngram_parts": _int(text, "split_ngram_parts", where, default=512),
     }
     if not ids:

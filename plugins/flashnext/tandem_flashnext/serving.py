@@ -15,12 +15,12 @@ reads it yet, so it is not loaded.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tandem_core.checkpoint.config import ConfigError
+from tandem_core.checkpoint import hfdir
+from tandem_core.checkpoint.hfdir import ServeError
 from tandem_core.engine import SequenceEngine
 from tandem_core.serving import ServeArgs, ServeContext, Served
 from tandem_core.settings import SETTINGS
@@ -31,10 +31,6 @@ from tandem_flashnext.model import FlashNextRunner
 from tandem_flashnext.weights import FlashNextWeights, load_weights, normalise_dtype, open_checkpoint
 
 __all__ = ["serve", "ServeError", "build_engine"]
-
-
-class ServeError(RuntimeError):
-    """The checkpoint directory cannot be served; the message names the file."""
 
 
 def build_engine(cfg: FlashNextConfig, weights: FlashNextWeights, max_context: int, prefill_chunk: int,
@@ -60,14 +56,7 @@ def _think_in_prompt(served: Served) -> bool:
 def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     """Load the checkpoint at ``args.path`` and build the engine, the tokenizer and the template."""
     d = Path(args.path)
-    for name in ("config.json", "tokenizer.json"):
-        if not (d / name).exists():
-            raise ServeError(f"{d}: no {name} (a qwen4_exp checkpoint directory needs the model's {name})")
-    try:
-        raw = json.loads((d / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ServeError(f"{d / 'config.json'}: not valid JSON ({exc})") from exc
-    cfg = read_config(raw)
+    cfg = read_config(hfdir.read_config_json(d, "qwen4_exp"))
     dtype = normalise_dtype(args.dtype)
     ctx.mark("config")
 
@@ -76,11 +65,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     weights = load_weights(ckpt, cfg, dtype, args.device, progress=ctx.progress)
     ctx.mark("weights")
 
-    max_context = int(args.max_context)
-    if max_context > cfg.max_position_embeddings:
-        ctx.log(f"max_context {max_context} exceeds the model's max_position_embeddings "
-                f"{cfg.max_position_embeddings}; using {cfg.max_position_embeddings}")
-        max_context = cfg.max_position_embeddings
+    max_context = hfdir.context_for(args.max_context, cfg.max_position_embeddings, ctx)
     prefill_chunk = int(args.options.get("prefill_chunk", SETTINGS.get("FLASHNEXT_PREFILL_CHUNK")))
     if prefill_chunk < 1:
         raise ServeError(f"prefill_chunk {prefill_chunk}: must be positive")
@@ -93,10 +78,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     if not template:
         raise ServeError(f"{d}: no chat template (neither chat_template.jinja nor tokenizer_config.json's "
                          f"chat_template)")
-    stop_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *cfg.eos_token_ids]))
-    if not stop_ids:
-        raise ConfigError(f"{d}: no stop token: tokenizer_config.json names no eos_token and neither "
-                          f"config.json nor generation_config.json has an eos_token_id")
+    stop_ids = hfdir.stop_ids(d, tokenizer, cfg.eos_token_ids)
 
     manifest = engine.manifest()
     info: dict[str, Any] = {

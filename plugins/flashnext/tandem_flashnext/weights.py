@@ -16,14 +16,14 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import torch
 
-from tandem_core.checkpoint.audit import AuditError, Expect, audit, read_sums
+from tandem_core.checkpoint.opened import weights_identity
+from tandem_core.checkpoint.audit import AuditError, Expect, audit
 from tandem_core.checkpoint.layout import LayoutResult
 from tandem_core.checkpoint.safetensors import SafetensorsCheckpoint
 from tandem_core.linear import Linear, make_linear
@@ -118,23 +118,6 @@ class Checkpoint:
         out = {k: n for k, n in self.layout.skipped.items() if k != MTP_PREFIX}
         out.update({u: 1 for u in self.unused})
         return out
-
-
-def weights_identity(reader: SafetensorsCheckpoint) -> str:
-    """sha256 of what identifies the weights: the ``SHA256SUMS`` manifest when the pack has one, else every
-    tensor's name, dtype, shape and byte range with each file's name and size (no tensor bytes read)."""
-    h = hashlib.sha256()
-    sums = read_sums(reader.dir)
-    if sums is not None:
-        for name in sorted(sums):
-            h.update(f"{name} {sums[name]}\n".encode())
-        return h.hexdigest()
-    for path in reader.files:
-        h.update(f"file {path.name} {path.stat().st_size}\n".encode())
-    for key in sorted(reader.infos):
-        info = reader.infos[key]
-        h.update(f"{key} {info.file.name} {info.dtype} {list(info.shape)} {info.begin} {info.end}\n".encode())
-    return h.hexdigest()
 
 
 def open_checkpoint(directory: str | Path, cfg: FlashNextConfig) -> Checkpoint:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tandem_core.checkpoint.config import ConfigError, FieldPolicy, read_strict
+from tandem_core.checkpoint.config import int_field as _int, float_field as _float, bool_field as _bool, token_ids as _ids
 
 __all__ = ["Lfm2Config", "read_config", "MOE_POLICY", "DENSE_POLICY", "ROPE_POLICY", "CONV", "ATTENTION",
            "LAYER_KINDS", "MODEL_TYPES"]
@@ -134,37 +135,12 @@ class Lfm2Config:
         return self.conv_L_cache - 1
 
 
-def _int(raw: Mapping[str, Any], key: str, where: str, default: Any = None, minimum: int = 1) -> int:
-    value = raw.get(key, default)
-    if value is None:
-        raise ConfigError(f"{where}: field {key!r} is required")
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{where}: field {key!r} = {value!r} is not {kind}")
-    return value
 
 
-def _float(raw: Mapping[str, Any], key: str, where: str, default: float) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a number")
-    return float(value)
 
 
-def _bool(raw: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
-    value = raw.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a boolean")
-    return value
 
 
-def _ids(value: Any, key: str, where: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    values = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else None
-    if values is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a token id or a list of them")
-    return tuple(values)
 
 
 def _layer_types(raw: Mapping[str, Any], n_layers: int, where: str, dense: bool) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tandem_core.checkpoint.config import ConfigError, FieldPolicy, read_strict, split_text_config
+from tandem_core.checkpoint.config import int_field as _int, token_ids as _ids
 
 __all__ = ["Qwen38Config", "read_config", "TEXT_POLICY", "OUTER_POLICY", "ROPE_POLICY", "LAYER_KINDS"]
 
@@ -129,22 +130,8 @@ class Qwen38Config:
         return 2 * self.gdn_key_dim + self.gdn_value_dim
 
 
-def _int(text: Mapping[str, Any], key: str, where: str, default: Any = None) -> int:
-    value = text.get(key, default)
-    if value is None:
-        raise ConfigError(f"{where}: field {key!r} is required")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a positive integer")
-    return value
 
 
-def _ids(value: Any, key: str, where: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    values = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else None
-    if values is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise ConfigError(f"{where}: field {key!r} = {value!r} is not a token id or a list of them")
-    return tuple(values)
 
 
 def _layer_types(text: Mapping[str, Any], n_layers: int, where: str) -> tuple[str, ...]:
