@@ -23,7 +23,7 @@ validates against the original) with a finite longest answer:
 ``worst_bytes(tightened)`` is the longest compact-JSON answer in UTF-8 bytes. A token is at
 least one byte (byte-level BPE; SentencePiece's byte fallback), so it bounds the tokens too.
 ``COMPACT`` is the ``x-guidance`` block the top-level ``%json`` schema carries: no free
-whitespace (one optional space after ``,`` and ``:``, as models write JSON) and no ``\\uXXXX``
+whitespace (one optional space after ``,`` and ``:``, as models write JSON) and no ``\\u`` escapes
 escapes (a character is then at most 4 bytes, an escape 2).
 """
 

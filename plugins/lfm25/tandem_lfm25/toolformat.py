@@ -28,7 +28,7 @@ __all__ = ["NAME", "render_calls", "render_tools", "call_grammar", "py_value"]
 NAME = "lfm2_pythonic"
 Lit = Callable[[str], str]
 # JSON as llguidance writes it inside a call: no free whitespace, and only the escapes that mean the same in a
-# Python string literal (no \\uXXXX, no \\/), so the call is Python and the parser reads the value JSON meant
+# Python string literal (no \\u escapes, no \\/), so the call is Python and the parser reads the value JSON meant
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
             "json_allowed_escapes": 'nrbtf\\"'}
 
