@@ -115,8 +115,13 @@ class Grammars:
                 if not available(self.tokenizer):
                     raise GrammarError("constrained decoding needs a tokenizer.json tokenizer; this model's "
                                        "tokenizer is not one")
-                self._lt = llguidance.LLTokenizer(self.tokenizer.to_json(),  # type: ignore[attr-defined]
-                                                  eos_token=self.stop_ids or None)
+                try:
+                    self._lt = llguidance.LLTokenizer(self.tokenizer.to_json(),  # type: ignore[attr-defined]
+                                                      eos_token=self.stop_ids or None)
+                except Exception as exc:  # llguidance cannot read every tokenizer.json (a WordLevel one)
+                    self._lt = GrammarError(f"constrained decoding cannot read this model's tokenizer: {exc}")
+            if isinstance(self._lt, GrammarError):
+                raise self._lt
             return self._lt
 
     def constraint(self, lark: str) -> GrammarConstraint:
