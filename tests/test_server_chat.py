@@ -37,6 +37,8 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC"]}},
                                        "required": ["zone"], "additionalProperties": False}}}
 
+pytestmark = pytest.mark.server  # starts processes
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
