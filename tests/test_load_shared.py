@@ -75,6 +75,7 @@ def test_third_model_through_the_loader(tmp_path, toy_plugin):
     torch.testing.assert_close(eng.forward(torch.tensor([4])), (embed[[1, 2, 3, 4]].mean(0) @ head.T)[None])
 
 
+@pytest.mark.server
 def test_third_model_runs_from_the_command_line(tmp_path):
     embed, head = write_toy(tmp_path / "toy")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(PLUGINS), "TANDEM_EXTRA_PLUGINS": "toy_model_plugin",

@@ -159,6 +159,7 @@ def test_every_hook_is_documented_and_prefixed():
         assert f"`{n}(register)`" in doc, f"{n} is not documented in docs/plugins.md"
 
 
+@pytest.mark.server
 def test_importing_core_touches_nothing_heavy():
     import subprocess
 

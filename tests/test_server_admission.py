@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))
 
 from replay_server import Server, write_model  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts processes
+
 KEY = "sekrit"
 SCRIPTS = [{"when": "[[slow]]", "random": True, "endless": True, "delay_s": 0.05}]
 AUTH = {"Authorization": f"Bearer {KEY}"}

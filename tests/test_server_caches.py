@@ -41,6 +41,8 @@ from replay_server import ROOT, free_port  # noqa: E402
 
 from tandem_core.serving import ServeArgs, ServeContext  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts processes
+
 MAX_CONTEXT = 1024
 ANSWER = 8          # tokens a turn generates
 LONG = 1000         # a prompt over the memory gate

@@ -37,6 +37,8 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC"]}},
                                        "required": ["zone"], "additionalProperties": False}}}
 
+pytestmark = pytest.mark.server  # starts processes
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -349,3 +351,55 @@ def test_qwen_xml_tool_call_streams_typed_argument_deltas(xml_client):
     assert json.loads(args) == {"city": "Paris", "days": 3}  # the integer arrives as a JSON number
     assert len([tc for tc in calls if tc.function.arguments]) > 1
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tool_content", ["string", "parts"])
+def test_the_sdk_tool_loop_with_content_null(client, stream, tool_content):
+    """user -> forced call -> the SDK's own assistant message (content null) -> a tool result (a string, or a
+    list of text parts) -> an answer; the template concatenates content, so null and parts are normalised."""
+    messages = user("[[weather]]")
+    kw = dict(model="replay-test", tools=[WEATHER], tool_choice="required", max_tokens=300)
+    if stream:
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+        parts = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        call = {"id": parts[0].id, "type": "function", "function": {
+            "name": parts[0].function.name, "arguments": "".join(p.function.arguments or "" for p in parts)}}
+        assistant = {"role": "assistant", "content": None, "tool_calls": [call]}
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    else:
+        first = client.chat.completions.create(messages=messages, **kw)
+        assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content is None
+        turn = first.choices[0].message.model_dump()
+        assistant = {k: turn[k] for k in ("role", "content", "tool_calls")}
+        call = turn["tool_calls"][0]
+    assert assistant["content"] is None
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    result = "sunny, 24 C"
+    content = result if tool_content == "string" else [{"type": "text", "text": result}]
+    messages += [assistant, {"role": "tool", "tool_call_id": call["id"], "content": content}, *user("hi")]
+    answer = client.chat.completions.create(model="replay-test", messages=messages, tools=[WEATHER])
+    assert answer.choices[0].finish_reason == "tool_calls"  # the replay model answers its [[weather]] script again
+    assert answer.usage.prompt_tokens == prompt_tokens(
+        [*messages[:1], {**assistant, "content": ""}, {**messages[2], "content": result}, *messages[3:]],
+        tools=[WEATHER])
+
+
+def test_a_template_failure_names_the_message_and_part_not_the_exception(tmp_path):
+    from tandem_core.server.template import TemplateError, render_chat
+    from tandem_core.serving import Served
+    from tandem_core.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(build_tokenizer(), eos_tokens=["<|im_end|>"])
+    template = ("{% for m in messages %}{{ m.role + ': ' + m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.arguments.items() | list | length }}{% endfor %}"
+                "{% endfor %}")
+    served = Served("m", None, tok, template)  # type: ignore[arg-type]
+    ok = [{"role": "user", "content": None}, {"role": "assistant", "content": None}]
+    assert render_chat(served, ok) == "user: assistant: "
+    bad = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]
+    with pytest.raises(TemplateError) as err:
+        render_chat(served, bad)
+    assert err.value.field == "messages[1].tool_calls"
+    assert "Error" not in str(err.value) and "str object" not in str(err.value)

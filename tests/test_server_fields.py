@@ -19,6 +19,8 @@ DOC = ROOT / "docs" / "server.md"
 TABLES = {"chat": ("## Chat completions fields", CHAT_FIELDS, "/v1/chat/completions"),
           "completions": ("## Completions fields", COMPLETION_FIELDS, "/v1/completions")}
 
+pytestmark = pytest.mark.server  # starts processes
+
 
 def doc_rows(heading: str) -> list[tuple[str, str, str]]:
     text = DOC.read_text()

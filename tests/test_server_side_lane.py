@@ -24,6 +24,8 @@ PLUGINS = Path(__file__).resolve().parent / "plugins"
 sys.path.insert(0, str(PLUGINS))
 from replay_server import Server  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts processes
+
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 NO_END = {"0": -100, "2": -100}     # <|endoftext|>, <|im_end|>: the long answer runs to max_tokens
 LONG = 700

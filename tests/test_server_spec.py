@@ -25,6 +25,8 @@ from toy_tree_plugin import write_model  # noqa: E402
 ENV = {"TANDEM_EXTRA_PLUGINS": "toy_tree_plugin,tandem_drafters.plugin",
        "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT), str(ROOT / "plugins" / "drafters")])}
 
+pytestmark = pytest.mark.server  # starts processes
+
 
 def prompts() -> list[str]:
     rng = random.Random(5)

@@ -200,6 +200,7 @@ def ask(server, prompts):
             for p in prompts]
 
 
+@pytest.mark.server
 def test_the_speculative_server_answers_what_the_plain_server_answers(servers):
     spec, plain = servers
     with ThreadPoolExecutor(1) as pool:

@@ -104,6 +104,7 @@ def servers(qwen38_ckpts, tmp_path_factory):
         plain.stop()
 
 
+@pytest.mark.server
 def test_speculative_server_equals_plain_server(servers):
     spec, plain = servers
     h = httpx.get(spec.url + "/health").json()["speculation"]

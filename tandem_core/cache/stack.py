@@ -24,23 +24,38 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 
 from tandem_core.cache.base import (
-    GEN_END, PROMPT_END, RESTORED, Hit, PrefillStart, Snapshot, SnapshotTier, TierStats, as_tokens,
+    GEN_END, PROMPT_END, RESTORED, Anchor, Hit, PrefillStart, Snapshot, SnapshotTier, TierStats, as_tokens,
 )
 from tandem_core.cache.gate import MemoryGate
 from tandem_core.cache.resident import ResidentPrefix, ResumePlan
-from tandem_core.cache.store import SnapshotStore
 from tandem_core.engine import Engine, supports_resume
-from tandem_core.state import StateMismatch
+from tandem_core.state import ModelState, StateMismatch
 
 __all__ = ["CacheStack", "Prefilled"]
 
 log = logging.getLogger("tandem.cache")
+
+
+@runtime_checkable
+class EvictsDown(Protocol):
+    """A tier that hands each entry it evicts to ``on_evict(snapshot, hits)`` (the stack sets it to offer the
+    entry to the next tier down, unless something else already did)."""
+
+    on_evict: Callable[[Snapshot, int], None] | None
+
+
+@runtime_checkable
+class TakesLiveState(Protocol):
+    """A tier that takes a live state and its anchors directly (``put`` clones what it keeps), so the stack
+    need not copy a snapshot first."""
+
+    def put(self, tokens: Sequence[int] | np.ndarray, state: ModelState, anchors: Sequence[Anchor] = ()) -> Any: ...
 
 
 class Prefilled(NamedTuple):
@@ -69,7 +84,7 @@ class CacheStack:
         self.hand_down_hits = hand_down_hits
         self.last: PrefillStart | None = None
         for i, tier in enumerate(self.lower[:-1]):
-            if isinstance(tier, SnapshotStore) and tier.on_evict is None:
+            if isinstance(tier, EvictsDown) and tier.on_evict is None:
                 tier.on_evict = partial(self._hand_down, i + 1)
 
     # -- the prefill ----------------------------------------------------------------------
@@ -108,7 +123,7 @@ class CacheStack:
             if state.nbytes + sum(a.nbytes for a in anchors) > room:
                 return
         first = self.lower[0]
-        if isinstance(first, SnapshotStore):
+        if isinstance(first, TakesLiveState):
             first.put(self.resident.tokens, state, anchors)
         else:
             first.offer(self.resident.snapshot(state, kinds=kinds))

@@ -10,13 +10,13 @@ validates against the original) with a finite longest answer:
 
 - strings without ``enum``/``const`` get ``maxLength`` (at most ``bounds.string`` characters,
   never less than their ``minLength``); arrays get ``maxItems`` (``bounds.items``; one item
-  when ``uniqueItems``);
+  when ``uniqueItems``, which llguidance cannot enforce: one item is unique);
 - integers and numbers without bounds get ``±(10**15 - 1)``; numbers without ``multipleOf``
   get ``1e-6`` (llguidance bounds the fraction's digits only through it);
 - an object with ``properties`` takes only those (``additionalProperties: false``; llguidance
-  writes them once each, in the schema's order, so no key repeats); a free-form object (no
-  ``properties``) holds at most one key of at most ``KEY_CHARS`` word characters (one key
-  cannot repeat);
+  writes them once each, in the schema's order, so no key repeats), and only the required ones
+  on the tightest rungs (``bounds.optional`` false); a free-form object (no ``properties``)
+  holds at most one key of at most ``bounds.key`` word characters (one key cannot repeat);
 - ``true`` / ``{}`` (any value) becomes a bounded scalar; ``$ref`` is inlined (a recursive one
   cannot be bounded: ``BoundError``).
 
@@ -42,7 +42,7 @@ KEY_CHARS = 64                  # the longest key of a free-form object
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?",
            "json_allowed_escapes": 'nrbtf\\"'}
 SEP = 2                         # the most bytes a separator takes (", " and ": ")
-_KEY_PATTERN = "^[A-Za-z0-9_.-]{1,%d}$" % KEY_CHARS
+_KEY_PATTERN = "^[A-Za-z0-9_.-]{1,%d}$"
 _ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "deprecated", "readOnly",
                 "writeOnly", "$schema", "$id", "$defs", "definitions", "strict"}
 
@@ -53,15 +53,23 @@ class BoundError(ValueError):
 
 @dataclass(frozen=True)
 class Bounds:
-    """The free parts' limits: characters of a string, items of an array."""
+    """The free parts' limits: characters of a string (and of a free-form key), items of an array, and whether
+    properties the schema does not require may be written (``optional``)."""
 
     string: int
     items: int
+    optional: bool = True
+
+    @property
+    def key(self) -> int:
+        return max(1, min(KEY_CHARS, self.string))
 
 
-# most generous first; ``choose`` takes the first whose longest answer fits the budget
+# most generous first; ``choose`` takes the first whose longest answer fits the budget. Past the rungs that keep
+# every property, the optional ones go first (a required value's room matters more than an optional's).
 LADDER = (Bounds(2048, 64), Bounds(1024, 32), Bounds(512, 16), Bounds(256, 8), Bounds(128, 8), Bounds(64, 4),
-          Bounds(32, 4), Bounds(16, 2), Bounds(8, 2), Bounds(4, 1), Bounds(1, 1), Bounds(0, 0))
+          Bounds(32, 4), Bounds(16, 2), Bounds(64, 2, False), Bounds(32, 2, False), Bounds(16, 1, False),
+          Bounds(8, 1, False), Bounds(4, 1, False), Bounds(1, 1, False), Bounds(0, 0, False))
 
 
 def _any(b: Bounds) -> dict[str, Any]:
@@ -132,15 +140,17 @@ def tighten(schema: Any, b: Bounds, root: Any = None, refs: tuple[str, ...] = ()
         s["multipleOf"] = FRACTION
     if "array" in types:
         lo = int(s.get("minItems", 0) or 0)
-        hi = min(int(s.get("maxItems", b.items)), b.items, 1 if s.get("uniqueItems") else b.items)
+        hi = min(int(s.get("maxItems", b.items)), b.items, 1 if s.pop("uniqueItems", False) else b.items)
         s["maxItems"] = max(lo, hi)
         if isinstance(s.get("prefixItems"), list):
             s["prefixItems"] = [tighten(x, b, root, refs) for x in s["prefixItems"]]
         s["items"] = tighten(s.get("items", True), b, root, refs) if s.get("items") is not False else False
     if "object" in types:
         props = s.get("properties")
+        required = set(s.get("required") or ())
         if isinstance(props, Mapping) and props:
-            s["properties"] = {k: tighten(v, b, root, refs) for k, v in props.items()}
+            s["properties"] = {k: tighten(v, b, root, refs) for k, v in props.items()
+                               if b.optional or k in required}
             s["additionalProperties"] = False
             s.pop("patternProperties", None)
         else:
@@ -148,8 +158,9 @@ def tighten(schema: Any, b: Bounds, root: Any = None, refs: tuple[str, ...] = ()
             extra = s.get("additionalProperties", True)
             s.pop("patternProperties", None)
             s["additionalProperties"] = False
-            if extra is not False and int(s.get("minProperties", 0) or 0) <= 1:
-                s["patternProperties"] = {_KEY_PATTERN: tighten(extra, b, root, refs)}
+            least = int(s.get("minProperties", 0) or 0)
+            if extra is not False and least <= 1 and (b.optional or least == 1 or required):
+                s["patternProperties"] = {_KEY_PATTERN % b.key: tighten(extra, b, root, refs)}
                 s["maxProperties"] = 1
     if not types and not any(k in s for k in ("anyOf", "oneOf", "allOf")):
         return _any(b)
@@ -217,8 +228,9 @@ def worst_bytes(s: Any) -> int:
         elif t == "object":
             parts = [len(json.dumps(k, ensure_ascii=False).encode()) + SEP + worst_bytes(v)
                      for k, v in (s.get("properties") or {}).items()]
-            for v in (s.get("patternProperties") or {}).values():
-                parts += [2 + KEY_CHARS + SEP + worst_bytes(v)] * int(s.get("maxProperties", 1))
+            for pattern, v in (s.get("patternProperties") or {}).items():
+                key = int(pattern.rsplit(",", 1)[1].split("}")[0]) if pattern.endswith("}$") else KEY_CHARS
+                parts += [2 + key + SEP + worst_bytes(v)] * int(s.get("maxProperties", 1))
             sizes.append(2 + sum(parts) + SEP * max(0, len(parts) - 1))
     return _max(sizes)
 

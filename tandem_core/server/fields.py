@@ -300,7 +300,9 @@ def _check_level(obj: Mapping[str, Any], rows: Mapping[str, Field], prefix: str)
         row = rows.get(name)
         if row is None:
             known = sorted(n for n in rows if n.startswith(prefix) and "." not in n[len(prefix):])
-            raise FieldError(name, f"unknown field (this server knows: {', '.join(known)})")
+            where = name if key else (prefix.rstrip(".") or "body")
+            what = "unknown field" if key else "a field with an empty name"
+            raise FieldError(where, f"{what} (this server knows: {', '.join(known)})")
         if row.policy == REFUSED:
             raise FieldError(name, f"not supported by this server ({row.note})")
         if row.validate is not None:

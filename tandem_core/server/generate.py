@@ -114,8 +114,10 @@ def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], No
         hooks["safe_point"] = safe_point
     detok = StreamDetokenizer(served.tokenizer)
     dec: Decode
+    speculative: SpecDecode | None = None
     if spec is not None:
-        dec = SpecDecode(engine, req, detok, constraint=job.constraint, cancel=cancel, speculation=spec, **hooks)
+        dec = speculative = SpecDecode(engine, req, detok, constraint=job.constraint, cancel=cancel,
+                                       speculation=spec, **hooks)
     else:
         dec = Decode(engine, req, detok, constraint=job.constraint, cancel=cancel, **hooks)
     reader = _Reader(job) if job.parse is not None else None
@@ -166,6 +168,6 @@ def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], No
     assert finish is not None
     if finish == FINISH_STOP and reader is not None and reader.calls_ended:
         finish = "tool_calls"
-    stats = dec.finish_stats() if isinstance(dec, SpecDecode) else None
+    stats = speculative.finish_stats() if speculative is not None else None
     return Outcome(finish, len(req.prompt), dec.completion_tokens, reasoning_tokens, dec.t_first,
                    dec.decode_rate(), prefill=started(), spec=stats)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -45,11 +45,18 @@ class GrammarError(ValueError):
     """A schema or tool list llguidance cannot compile, or a tokenizer it cannot read."""
 
 
-def available(tokenizer: Tokenizer) -> bool:
-    """Whether constrained decoding can run for this tokenizer (it must be a ``tokenizer.json`` one)."""
-    from tandem_core.tokenizer import HFTokenizer
+@runtime_checkable
+class HasTokenizerJson(Protocol):
+    """A tokenizer that can write itself as a Hugging Face ``tokenizer.json`` (llguidance builds its own from
+    that text): the capability constrained decoding needs. ``tandem_core.tokenizer.HFTokenizer`` has it; a
+    plugin's own tokenizer has it by defining ``to_json``."""
 
-    return isinstance(tokenizer, HFTokenizer)
+    def to_json(self) -> str: ...
+
+
+def available(tokenizer: Tokenizer) -> bool:
+    """Whether constrained decoding can run for this tokenizer (it can write its ``tokenizer.json``)."""
+    return isinstance(tokenizer, HasTokenizerJson)
 
 
 class GrammarConstraint:
@@ -115,12 +122,14 @@ class Grammars:
                 if not available(self.tokenizer):
                     raise GrammarError("constrained decoding needs a tokenizer.json tokenizer; this model's "
                                        "tokenizer is not one")
+                tok = self.tokenizer
+                assert isinstance(tok, HasTokenizerJson)
                 try:
-                    self._lt = llguidance.LLTokenizer(self.tokenizer.to_json(),  # type: ignore[attr-defined]
-                                                      eos_token=self.stop_ids or None)
-                except Exception as exc:  # llguidance refuses the tokenizer (one it cannot decode, say)
-                    raise GrammarError(f"constrained decoding cannot read this model's tokenizer "
-                                       f"({' '.join(str(exc).split())})") from exc
+                    self._lt = llguidance.LLTokenizer(tok.to_json(), eos_token=self.stop_ids or None)
+                except Exception as exc:  # llguidance cannot read every tokenizer.json (a WordLevel one)
+                    self._lt = GrammarError(f"constrained decoding cannot read this model's tokenizer: {exc}")
+            if isinstance(self._lt, GrammarError):
+                raise self._lt
             return self._lt
 
     def constraint(self, lark: str) -> GrammarConstraint:

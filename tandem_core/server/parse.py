@@ -56,6 +56,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
+from tandem_core.server.toolformat import schema_types as _schema_types
+
 __all__ = [
     "Content", "Reasoning", "ToolCallBegin", "ToolCallArgs", "ToolCallEnd", "Malformed", "Event",
     "TOOL_FORMATS", "OutputParser", "ToolCall", "Collected", "Parsed", "parse_complete", "think_open_at_end",
@@ -719,39 +721,6 @@ def _tool_schemas(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str,
         props = params.get("properties") if isinstance(params, dict) else None
         out[fn["name"]] = props if isinstance(props, dict) else {}
     return out
-
-
-def _schema_types(schema: dict[str, Any]) -> set[str] | None:
-    """The JSON types a schema allows, or None when it does not say."""
-    got: set[str] = set()
-    t = schema.get("type")
-    if isinstance(t, str):
-        got.add(t)
-    elif isinstance(t, list):
-        got.update(x for x in t if isinstance(x, str))
-    for key in ("anyOf", "oneOf", "allOf"):
-        for sub in schema.get(key) or ():
-            if isinstance(sub, dict):
-                got.update(_schema_types(sub) or ())
-    values = list(schema.get("enum") or ()) + ([schema["const"]] if "const" in schema else [])
-    if not got and values:
-        for v in values:
-            got.add(_json_type(v))
-    return got or None
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    return "array" if isinstance(v, list) else "object"
 
 
 def _typed(value: str, types: set[str] | None) -> Any:

@@ -90,7 +90,8 @@ def free_port() -> int:
 class Server:
     """A ``tandem serve`` subprocess on a free loopback port; its stderr is kept for the tests to read."""
 
-    def __init__(self, model_dir: Path, home: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model_dir: Path, home: Path, *args: str, env: dict[str, str] | None = None,
+                 model: str = "replay-test") -> None:
         self.port = free_port()
         self.ledger = home / "ledger.sqlite"
         self.env = {**os.environ, "TANDEM_EXTRA_PLUGINS": "replay_plugin", "TANDEM_HOME": str(home),
@@ -98,7 +99,7 @@ class Server:
                     "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
                     **(env or {})}
         self.cmd = [sys.executable, "-m", "tandem_core.cli.main", "serve", "--weights", str(model_dir),
-                    "--model", "replay-test", "--port", str(self.port), "--ledger", str(self.ledger), *args]
+                    "--model", model, "--port", str(self.port), "--ledger", str(self.ledger), *args]
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, cwd=str(ROOT))
         self.stdout: list[str] = []
