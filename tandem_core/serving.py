@@ -86,12 +86,23 @@ class Served:
 
 
 def host_memory() -> tuple[int, int]:
-    """``(resident bytes now, peak resident bytes)`` of this process (the peak: the kernel's high-water mark)."""
+    """``(resident bytes now, peak resident bytes)`` of this process. The peak is the kernel's high-water mark
+    of this process's own memory (``VmHWM``); ``ru_maxrss`` is not used where ``/proc`` answers, because Linux
+    carries the parent's high-water mark through fork and exec into it (a launcher that held gigabytes would
+    show as this process's peak)."""
     import resource
 
     import psutil
 
-    return int(psutil.Process().memory_info().rss), int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    rss = int(psutil.Process().memory_info().rss)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return rss, int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return rss, int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 class ServeContext:

@@ -183,6 +183,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
         state = ServerState(served, options)
     except ParallelUnavailable as exc:
         raise CliError(str(exc)) from exc
+    from tandem_core.serving import host_memory
+
+    rss, peak = host_memory()
+    log.info("server state built (engines, caches, speculation): host rss %.2f GiB, peak %.2f GiB",
+             rss / 2**30, peak / 2**30)
     try:
         app = build_app(served, options, state)
         host = f"[{args.host}]" if ":" in args.host else args.host
