@@ -160,6 +160,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
     from tandem_core.server.caches import CacheOptions
     from tandem_core.server.ledger import default_path
     from tandem_core.server.speculation import SpecOptions
+    from tandem_core.server.toolformat import UnknownToolFormat
     from tandem_core.serving import ServeArgs, ServeContext
 
     ctx = ServeContext(log=lambda line: log.info("%s", line), progress=_Bar())
@@ -181,7 +182,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
                             spec=SpecOptions(drafters=_drafters(args.spec), max_tree=args.max_tree))
     try:
         state = ServerState(served, options)
-    except ParallelUnavailable as exc:
+    except (ParallelUnavailable, UnknownToolFormat) as exc:
         raise CliError(str(exc)) from exc
     try:
         app = build_app(served, options, state)

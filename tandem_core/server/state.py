@@ -30,6 +30,7 @@ from tandem_core.server.prepare import Job
 from tandem_core.server.sidelane import SideJob, SideLane
 from tandem_core.server.speculation import SpecOptions, build_speculation
 from tandem_core.server.stream import Delta
+from tandem_core.server.toolformat import tool_format
 from tandem_core.serving import Served
 
 __all__ = ["ServerOptions", "ServerState", "ParallelUnavailable"]
@@ -72,6 +73,7 @@ class ServerState:
     def __init__(self, served: Served, options: ServerOptions) -> None:
         self.served = served
         self.options = options
+        tool_format(served.tool_format)  # UnknownToolFormat before anything is built
         engines = _engines(served, options.parallel)
         # before the caches: the self-check leaves the engine reset
         self.spec = build_speculation(served, engines, options.spec or SpecOptions(drafters=()),
@@ -89,7 +91,7 @@ class ServerState:
         self.pool = ThreadPoolExecutor(len(engines), thread_name_prefix="tandem-engine")
         cap = served.engine.caps.max_context
         self.max_context = min(options.max_context, cap) if cap > 0 else options.max_context
-        self.grammars = Grammars(served.tokenizer, served.stop_ids)
+        self.grammars = Grammars(served.tokenizer, served.stop_ids, served.think_tags)
         self.ledger = Ledger(options.ledger) if options.ledger is not None else None
         self.metrics = Metrics(self._gauges, self._metric_lines)
         self.started = int(time.time())
