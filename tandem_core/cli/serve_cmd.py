@@ -182,8 +182,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
                             spec=SpecOptions(drafters=_drafters(args.spec), max_tree=args.max_tree))
     try:
         state = ServerState(served, options)
-    except (ParallelUnavailable, UnknownToolFormat) as exc:
+    except ParallelUnavailable as exc:
         raise CliError(str(exc)) from exc
+    except UnknownToolFormat as exc:     # the model's plugin names a format no installed plugin registered
+        raise LoadFailed(str(exc)) from exc
     try:
         app = build_app(served, options, state)
         host = f"[{args.host}]" if ":" in args.host else args.host
