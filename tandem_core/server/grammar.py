@@ -31,6 +31,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 
 from tandem_core.server.bounds import BoundError, choose, json_rule, raw_string_bytes, tighten, worst_bytes
+from tandem_core.server.parsing.reasoning import THINK_TAGS
 from tandem_core.server.toolformat import UnknownToolFormat, tool_format
 from tandem_core.serving import Tokenizer
 
@@ -110,7 +111,7 @@ class Grammars:
     """Compiles grammars for one tokenizer. Thread-safe; the llguidance tokenizer is built on first use."""
 
     def __init__(self, tokenizer: Tokenizer, stop_ids: Sequence[int],
-                 think_tags: tuple[str, str] = ("<think>", "</think>")) -> None:
+                 think_tags: tuple[str, str] = THINK_TAGS) -> None:
         self.tokenizer = tokenizer
         self.think_tags = think_tags
         self.stop_ids = list(dict.fromkeys([*stop_ids, *tokenizer.eos_token_ids]))

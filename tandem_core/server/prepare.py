@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 from tandem_core.server.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldError, check
 from tandem_core.server.grammar import GrammarConstraint, GrammarError, Grammars, available
 from tandem_core.server.messages import check_messages
-from tandem_core.server.parse import think_open_at_end
+from tandem_core.server.parse import THINK_TAGS, think_open_at_end
 from tandem_core.server.template import TemplateError, render_chat
 from tandem_core.server.toolformat import tool_format
 from tandem_core.serving import Served
@@ -38,7 +38,7 @@ class ParseSpec:
     think_in_prompt: bool
     tools: list[dict[str, Any]] | None
     forced: bool = False    # a grammar forces the calls: a call's markup never becomes content
-    think_tags: tuple[str, str] = ("<think>", "</think>")
+    think_tags: tuple[str, str] = THINK_TAGS
 
 
 @dataclass
