@@ -160,6 +160,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
     from tandem_core.server.caches import CacheOptions
     from tandem_core.server.ledger import default_path
     from tandem_core.server.speculation import SpecOptions
+    from tandem_core.server.toolformat import UnknownToolFormat
     from tandem_core.serving import ServeArgs, ServeContext
 
     ctx = ServeContext(log=lambda line: log.info("%s", line), progress=_Bar())
@@ -183,6 +184,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
         state = ServerState(served, options)
     except ParallelUnavailable as exc:
         raise CliError(str(exc)) from exc
+    except UnknownToolFormat as exc:     # the model's plugin names a format no installed plugin registered
+        raise LoadFailed(str(exc)) from exc
     from tandem_core.serving import host_memory
 
     rss, peak = host_memory()
