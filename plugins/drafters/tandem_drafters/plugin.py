@@ -14,12 +14,16 @@ __all__ = ["DRAFTERS", "SETTINGS_DECLARED", "tandem_drafters", "tandem_cli_comma
 
 DRAFTERS = {
     "lookup": "tandem_drafters.lookup:LookupDrafter",
+    "block": "tandem_drafters.block:BlockDrafter",
 }
 
 SETTINGS_DECLARED = (
     Setting("LOOKUP_CORPUS", "", "tandem_drafters.lookup",
             "a lookup corpus store (built by `tandem corpus build`) the lookup drafter also reads; "
             "empty: none. Refused at load when built with another tokenizer than the model's"),
+    Setting("BLOCK_DRAFTER", "", "tandem_drafters.block",
+            "a block drafter folder (config.json + model.safetensors, the DFlash layout) for --spec block; empty: "
+            "the one the model's registry entry ships (tandem pull). Refused at load when built for another target"),
 )
 
 
