@@ -158,6 +158,17 @@ def check_entry(e: Entry, repo_root: Path | None = None) -> list[str]:
         root = repo_root or _checkout()
         if root is not None and not (root / d["docs"]).exists():
             problems.append(f"{e.path}: docs link {d['docs']!r} is not there")
+    for name, spec in (d.get("drafters") or {}).items():
+        src = spec["source"]
+        if src["kind"] == "registry":
+            folder = e.path.parent / src["path"]
+            for fname, f in spec["files"].items():
+                path = folder / fname
+                if not path.is_file():
+                    problems.append(f"{e.path}: drafter {name!r} file {path} is not there")
+                elif path.stat().st_size != f["bytes"]:
+                    problems.append(f"{e.path}: drafter {name!r} file {fname} is {path.stat().st_size} bytes, the "
+                                    f"entry says {f['bytes']}")
     numbers = _number_paths(d)
     sources = d.get("sources", {})
     for path in numbers:
@@ -186,7 +197,7 @@ def _number_paths(d: dict[str, Any]) -> list[str]:
                 walk(v, f"{path}.{key}")
 
     for k, v in d.items():
-        if k not in ("schema", "sources"):
+        if k not in ("schema", "sources", "drafters"):   # a drafter's sizes are checked against its files
             walk(v, k)
     return out
 
