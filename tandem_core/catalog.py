@@ -12,18 +12,29 @@ what to download.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
 from tandem_core.settings import SETTINGS
 
 __all__ = [
-    "SCHEMA_PATH", "RegistryError", "ModelNotFound", "Entry", "entries", "entry", "default_entry", "schema",
-    "check_entry", "check", "resolve", "home",
+    "SCHEMA_PATH",
+    "Entry",
+    "ModelNotFound",
+    "RegistryError",
+    "check",
+    "check_entry",
+    "default_entry",
+    "entries",
+    "entry",
+    "home",
+    "resolve",
+    "schema",
 ]
 
 SHIPPED = Path(str(files("tandem_core").joinpath("shipped")))   # models/, prices/, schema/ inside the package

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from tandem_core.drafter import DrafterMismatch, TargetInfo, build_drafter
 from tandem_core.serving import Served
 from tandem_core.spec.cut import StairCut
-from tandem_core.spec.speculate import Speculation, SpecStats
+from tandem_core.spec.speculate import SpecStats, Speculation
 
-__all__ = ["SpecOptions", "ServerSpeculation", "build_speculation", "resolve_drafters", "parse_spec"]
+__all__ = ["ServerSpeculation", "SpecOptions", "build_speculation", "parse_spec", "resolve_drafters"]
 
 log = logging.getLogger("tandem.spec")
 
@@ -112,8 +113,8 @@ class ServerSpeculation:
             "# HELP tandem_spec_accepted_total Drafted nodes accepted.",
             "# TYPE tandem_spec_accepted_total counter",
             f"tandem_spec_accepted_total {t.accepted}",
-            "# HELP tandem_spec_explore_rounds_total Rounds widened to explore after a run of rounds that kept "
-            "no drafted node.",
+            ("# HELP tandem_spec_explore_rounds_total Rounds widened to explore after a run of rounds that kept "
+            "no drafted node."),
             "# TYPE tandem_spec_explore_rounds_total counter",
             f"tandem_spec_explore_rounds_total {sum(s.cut.explored for s in self.per_engine if s)}",
             "# HELP tandem_spec_tokens_per_round Tokens per round since start.",

@@ -37,6 +37,10 @@ def tandem_drafters(register: Callable[[str, str], None]) -> None:
 def tandem_cli_commands(register: Callable[..., None]) -> None:
     register("corpus", "build (or inspect) a lookup drafter corpus store from text files",
              "tandem_drafters.corpus_cli:configure_corpus", "tandem_drafters.corpus_cli:run_corpus")
+    register("train-drafter", "train a block drafter for a model by self-distillation (resumable)",
+             "tandem_drafters.train_cli:configure_train", "tandem_drafters.train_cli:run_train")
+    register("fetch-drafter", "download a published DFlash block drafter (config.json + model.safetensors)",
+             "tandem_drafters.train_cli:configure_fetch", "tandem_drafters.train_cli:run_fetch")
 
 
 tandem_settings = settings_hook(*SETTINGS_DECLARED)

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 from block_fixtures import random_block
+from tandem_drafters.block import find_checkpoint, read_config
 from test_pull import _entry, fake_pip  # noqa: F401  (fixture)
 
 from tandem_core import catalog
 from tandem_core.drafter import TargetInfo
 from tandem_core.pull import drafter_path
 from tandem_core.server.speculation import parse_spec, resolve_drafters
-from tandem_drafters.block import find_checkpoint, read_config
 
 
 def ship(tmp_path: Path) -> tuple[Path, dict]:
@@ -35,7 +35,7 @@ def ship(tmp_path: Path) -> tuple[Path, dict]:
 
 
 def test_pull_verifies_the_shipped_drafter_and_the_audit_refuses_a_changed_file(tmp_path, fake_pip, monkeypatch,
-                                                                                 capsys):
+                                                                                 capsys):  # noqa: F811
     from tandem_core.cli.main import main
 
     reg, entry = ship(tmp_path)
