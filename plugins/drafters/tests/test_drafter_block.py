@@ -302,3 +302,27 @@ def test_a_new_sequence_keeps_only_the_rows_of_a_shared_prefix(served, block_dir
     d.begin([1, 2, 9])
     d.propose([1, 2, 9, 10], 4)
     assert d._toks == [1, 2]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=99)],
+                         ids=["greedy", "seeded"])
+def test_block_speculation_on_tiny_qwen38_equals_plain(tmp_path, params):
+    """A model with recurrent state (Gated DeltaNet layers): the merged lookup + block tree keeps the engine's
+    state equal to the plain loop's, token for token."""
+    from conftest_qwen38 import build_text, load_engine
+
+    path = build_text(tmp_path / "q").path
+    spec_engine, plain_engine = load_engine(path), load_engine(path)
+    target = TargetInfo.of_engine(spec_engine, tokenizer=None, vocab_size=320)
+    block = random_block(tmp_path / "b", target_layer_ids=(0, 3))
+    spec = Speculation([build_drafter("lookup", target), build_drafter("block", target, path=str(block))],
+                       flat_cut(), 16)
+    drafted = 0
+    for prompt in PROMPTS[:3]:
+        want, _ = run(Decode, plain_engine, prompt, params, max_tokens=16)
+        got, dec = run(SpecDecode, spec_engine, prompt, params, max_tokens=16, speculation=spec)
+        assert got == want, f"prompt {prompt}"
+        for name, sec in spec_engine.state.sections.items():
+            assert torch.equal(sec, plain_engine.state.sections[name]), name
+        drafted += dec.stats.drafted
+    assert drafted > 0
