@@ -31,10 +31,11 @@ export TANDEM_HOME=${TANDEM_HOME:-$BASE/home}
 WORK=${WORK:-$BASE/work}
 MODEL=smollm2-135m
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+DEVICE=${DEVICE:-cuda}           # cpu: the same flow on the CPU (a smoke test, tiny budgets)
 WORKERS=${WORKERS:-8}
 SAMPLES=${SAMPLES:-6000}
-DATA_BUDGET=${DATA_BUDGET:-200}
-TRAIN_BUDGET=${TRAIN_BUDGET:-200}
+DATA_BUDGET=${DATA_BUDGET:-170}
+TRAIN_BUDGET=${TRAIN_BUDGET:-170}
 STEPS=${STEPS:-8000}
 BENCH_PROMPTS=${BENCH_PROMPTS:-6}
 start=$(date +%s)
@@ -64,10 +65,11 @@ model() {
     want=$(sha_of_registry)
     mkdir -p "$dir"
     if [ ! -f "$dir/$GGUF_NAME" ]; then
-        timeout 60 tandem pull "$MODEL" --quiet 2>/dev/null || {
-            ls "$BASE"/parts/part-* >/dev/null 2>&1 || { echo "no GGUF: stash its parts first"; exit 3; }
+        if ls "$BASE"/parts/part-* >/dev/null 2>&1; then
             cat "$BASE"/parts/part-* > "$dir/$GGUF_NAME.part" && mv "$dir/$GGUF_NAME.part" "$dir/$GGUF_NAME"
-        }
+        else
+            timeout 90 tandem pull "$MODEL" --quiet || { echo "no GGUF: no network, and no parts stashed"; exit 3; }
+        fi
     fi
     local got
     got=$(sha256sum "$dir/$GGUF_NAME" | cut -d' ' -f1)
@@ -76,21 +78,21 @@ model() {
 }
 
 data() {
-    timeout $(( DATA_BUDGET + 120 )) tandem train-drafter --model "$MODEL" -o "$WORK" --device cuda --stage data \
+    timeout $(( DATA_BUDGET + 120 )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage data \
         --samples "$SAMPLES" --max-new 256 --max-prompt 768 --workers "$WORKERS" --data-budget "$DATA_BUDGET" \
         2>&1 | grep -v '^\s*$' | tail -20
 }
 
 train() {
-    timeout $(( TRAIN_BUDGET + 120 )) tandem train-drafter --model "$MODEL" -o "$WORK" --device cuda --stage train \
+    timeout $(( TRAIN_BUDGET + 120 )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage train \
         --steps "$STEPS" --train-budget "$TRAIN_BUDGET" --layers 2 --target-layers 4 --block-size 16 \
         --samples-per-step 16 --anchors 24 --lr 8e-4 --warmup 100 --eval-every 250 --checkpoint-every 500 \
         2>&1 | tail -40
 }
 
 bench() {
-    timeout 300 python3 tools/bench_block_drafter.py --model "$MODEL" --drafter "$WORK/drafter" --device cuda \
-        --prompts "$BENCH_PROMPTS" --max-new 128 --md "$OUT/block-drafter.md" --json "$OUT/bench.json" \
+    timeout 300 python3 tools/bench_block_drafter.py --model "$MODEL" --drafter "$WORK/drafter" --device "$DEVICE" \
+        --prompts "$BENCH_PROMPTS" --max-new "${BENCH_NEW:-128}" --md "$OUT/block-drafter.md" --json "$OUT/bench.json" \
         --title "H200 (trained on the H200 by tools/train_block_drafter_gpu.sh)" 2>&1 | tail -30
 }
 
