@@ -510,8 +510,8 @@ class BlockDrafter:
         self.top_k = max(1, int(top_k))
         self.min_prob = float(min_prob)
         self.layers = tuple(self.cfg.target_layer_ids)
-        self._k: list[torch.Tensor] = []
-        self._v: list[torch.Tensor] = []
+        self._kbuf: list[torch.Tensor] = []     # each layer's context keys / values, [nkv, capacity, hd]
+        self._vbuf: list[torch.Tensor] = []
         self._pos: list[int] = []        # position of each held row (increasing)
         self._toks: list[int] = []       # token of each held row
         self._check = True               # compare the held tokens with the next context before using them
@@ -528,12 +528,34 @@ class BlockDrafter:
 
     # -- the sequence ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        p = next(self.model.parameters())
-        c = self.cfg
-        self._k = [p.new_empty(c.num_kv_heads, 0, c.head_dim) for _ in range(c.num_layers)]
-        self._v = [p.new_empty(c.num_kv_heads, 0, c.head_dim) for _ in range(c.num_layers)]
+        self._kbuf: list[torch.Tensor] = []
+        self._vbuf: list[torch.Tensor] = []
         self._pos, self._toks = [], []
         self._check = True
+
+    @property
+    def _k(self) -> list[torch.Tensor]:
+        """Each layer's keys of the held context rows, ``[nkv, n, hd]`` (views of the growing buffers)."""
+        return [k[:, :len(self._pos)] for k in self._kbuf]
+
+    @property
+    def _v(self) -> list[torch.Tensor]:
+        return [v[:, :len(self._pos)] for v in self._vbuf]
+
+    def _room(self, n: int, like: torch.Tensor) -> None:
+        """Buffers that hold ``n`` rows (doubling, so appending a row a round costs no copy of the rest)."""
+        cap = self._kbuf[0].shape[1] if self._kbuf else 0
+        if n <= cap:
+            return
+        new = max(n, 2 * cap, 256)
+        held = len(self._pos)
+        c = self.cfg
+        kb = [like.new_empty(c.num_kv_heads, new, c.head_dim) for _ in range(c.num_layers)]
+        vb = [like.new_empty(c.num_kv_heads, new, c.head_dim) for _ in range(c.num_layers)]
+        for i in range(len(self._kbuf)):
+            kb[i][:, :held] = self._kbuf[i][:, :held]
+            vb[i][:, :held] = self._vbuf[i][:, :held]
+        self._kbuf, self._vbuf = kb, vb
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self._check = True     # the rows held may belong to another sequence: checked at the next propose
@@ -543,8 +565,6 @@ class BlockDrafter:
 
     def _truncate(self, n: int) -> None:
         if n < len(self._pos):
-            self._k = [k[:, :n] for k in self._k]
-            self._v = [v[:, :n] for v in self._v]
             del self._pos[n:], self._toks[n:]
 
     @torch.inference_mode()
@@ -559,9 +579,11 @@ class BlockDrafter:
             raise ValueError(f"block drafter: {T} tokens but {feats.shape[0]} hidden rows")
         ctx = self.model.context(feats)
         pos = torch.arange(start, start + T)
+        held = len(self._pos)
+        self._room(held + T, ctx)
         for i, (k, v) in enumerate(self.model.context_kv(ctx, pos)):
-            self._k[i] = torch.cat([self._k[i], k], dim=1)
-            self._v[i] = torch.cat([self._v[i], v], dim=1)
+            self._kbuf[i][:, held:held + T] = k
+            self._vbuf[i][:, held:held + T] = v
         self._pos.extend(range(start, start + T))
         self._toks.extend(int(t) for t in tokens)
 
