@@ -55,7 +55,7 @@ AGENT_ASKS = ("Add a docstring to the first function and show the whole updated 
               "Rename the first function to something clearer and show the new code.")
 
 
-def held_out_snippets(n: int, seed: int) -> list[tuple[str, str]]:
+def held_out_snippets(n: int, seed: int, chars: int = 1200) -> list[tuple[str, str]]:
     from tandem_drafters.train import held_out_file, source_files
 
     files = [f for f in source_files() if held_out_file(f)]
@@ -72,15 +72,15 @@ def held_out_snippets(n: int, seed: int) -> list[tuple[str, str]]:
             continue
         a = rng.choice(starts)
         text = "\n".join(lines[a:a + 30]).strip()
-        if len(text) > 200:
-            out.append((f.name, text[:1200]))
+        if len(text) > min(200, chars):
+            out.append((f.name, text[:chars]))
         if len(out) >= n:
             break
     return out
 
 
-def prompt_sets(n: int, seed: int) -> dict[str, list[list[dict[str, str]]]]:
-    snippets = held_out_snippets(2 * n, seed)
+def prompt_sets(n: int, seed: int, chars: int = 1200) -> dict[str, list[list[dict[str, str]]]]:
+    snippets = held_out_snippets(2 * n, seed, chars)
     code = []
     for k, (_, text) in enumerate(snippets[:n]):
         if k % 2:
@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tree", type=int, default=16)
     ap.add_argument("--specs", default="lookup;block;lookup,block", help="drafter sets, ';' between them")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--snippet-chars", type=int, default=1200, help="the most characters of a code snippet")
     ap.add_argument("--md", help="write the table (and the command, the machine) to this markdown file")
     ap.add_argument("--json", help="write the numbers to this file")
     ap.add_argument("--title", default="Block drafter")
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     load_plugins()
     device, dtype = placement(a.device, a.dtype)
     served = load_served(a.model, weights=a.weights, args=ServeArgs(model_id="", path=Path("."), device=device,
-                                                                    dtype=dtype, max_context=4096))
+                                                                    dtype=dtype, max_context=a.max_context))
     eng = served.engine
     target = TargetInfo.of_engine(eng, tokenizer=served.tokenizer.fingerprint(),
                                   vocab_size=served.tokenizer.vocab_size, name=served.model_id)
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         ds = [build_drafter(n, target, **({"path": a.drafter} if n == "block" else {})) for n in names]
         cut = StairCut.for_model(served.model_id, dtype, _device_name(device.split(":")[0]), max_tree=max_tree)
         per_spec[",".join(names)] = Speculation(ds, cut, max_tree)
-    sets = prompt_sets(a.prompts, a.seed)
+    sets = prompt_sets(a.prompts, a.seed, a.snippet_chars)
     stops = frozenset(served.stop_ids)
 
     def sync() -> None:
@@ -184,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     for set_name, prompts in sets.items():
         plain_t = plain_n = 0.0
         agg = {k: {"rounds": 0, "tokens": 0, "drafted": 0, "accepted": 0, "t": 0.0, "n": 0} for k in per_spec}
+        used = 0
         for msgs in prompts:
             ids = served.tokenizer.encode(render_chat(served, msgs))
+            if len(ids) + a.max_new + 2 > eng.caps.max_context:
+                continue                    # does not fit the engine's context: not measured
+            used += 1
             want, t, _ = one(Decode, ids)
             plain_t += t
             plain_n += max(0, len(want) - 1)
@@ -203,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 g["t"] += t
                 g["n"] += max(0, len(got) - 1)
         plain_rate = plain_n / plain_t if plain_t else 0.0
-        row = {"plain_tok_s": round(plain_rate, 2), "prompts": len(prompts)}
+        row = {"plain_tok_s": round(plain_rate, 2), "prompts": used}
         for key, g in agg.items():
             r = max(g["rounds"], 1)
             rate = g["n"] / g["t"] if g["t"] else 0.0

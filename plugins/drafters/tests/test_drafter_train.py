@@ -118,3 +118,25 @@ def test_held_out_files_are_never_prompts():
     held = [f for f in files if T.held_out_file(f)]
     assert held and len(held) < len(files) / 4
     assert json.dumps(T.make_request(3, files)) == json.dumps(T.make_request(3, files))
+
+
+def test_the_benchmark_script_runs_and_every_answer_equals_plain(tmp_path, tiny):
+    import importlib.util
+    from pathlib import Path
+
+    from block_fixtures import random_block
+
+    root = Path(__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location("bench_block_drafter", root / "tools" / "bench_block_drafter.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    block = random_block(tmp_path / "b")
+    out = tmp_path / "bench.json"
+    md = tmp_path / "m.md"
+    assert bench.main(["--model", str(tiny), "--drafter", str(block), "--device", "cpu", "--prompts", "1",
+                       "--max-new", "6", "--max-tree", "4", "--snippet-chars", "60", "--json", str(out), "--md", str(md)]) == 0
+    res = json.loads(out.read_text())
+    assert res["mismatches"] == 0 and set(res["results"]) == {"code", "agent", "chat"}
+    assert set(res["results"]["code"]) >= {"lookup", "block", "lookup,block"}
+    assert res["results"]["chat"]["prompts"] == 1 and res["results"]["chat"]["lookup,block"]["accept_len"] >= 1.0
+    assert "| code | lookup,block |" in md.read_text()
