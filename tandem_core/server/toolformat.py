@@ -1,4 +1,4 @@
-"""Tool-call formats: how a model writes a call, read as it streams, as a grammar for forced calls, as prompt text.
+"""Tool-call formats: how a model writes a call, read as it streams, forced by a grammar, as prompt text.
 
 A format is a plugin's: the hook ``tandem_tool_formats(register)`` registers it by name
 (``register(name, "module:Class")``; the core's ``hermes_json`` through ``tandem_core.default_tool_formats``,

@@ -25,7 +25,9 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from tandem_core.server.parsing.events import Content, Event, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd, push
+from tandem_core.server.parsing.events import (
+    Content, Event, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd, push,
+)
 from tandem_core.server.parsing.jsonscan import JsonScan
 from tandem_core.server.parsing.text import TextParser, could_be, held
 from tandem_core.server.parsing.values import no_constant, tool_schemas
