@@ -67,6 +67,7 @@ class ServerOptions:
     side_lane: bool = True              # TANDEM_SIDE_LANE: short requests served at safe points
     caches: CacheOptions | None = None  # None: no caches (every prefill cold)
     spec: SpecOptions | None = None     # None: plain decoding
+    backends: Any = None                # tandem_core.proxy.Backends: relay other models there (None: none)
 
 
 def _engines(served: Served, n: int) -> list[Any]:
@@ -276,7 +277,8 @@ class ServerState:
                     prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                     finish_reason=out.finish, ttft_s=ttft, decode_tps=out.decode_rate, queued_s=queued_s,
                     duration_s=now - job.t_arrival, max_tokens=job.decode.max_tokens,
-                    capped_from=job.capped_from, stream=job.stream))
+                    capped_from=job.capped_from, stream=job.stream,
+                    status=(out.status if out.finish == "error" else 499 if out.finish == "cancelled" else 200)))
             except Exception as exc:  # the ledger never fails a request
                 log.error("req=%s ledger write failed: %s", job.rid, exc)
 
@@ -445,6 +447,8 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
     app = FastAPI(title="TandemLLM", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.tandem = state
     _openai_errors(app)
+    from tandem_core.proxy import attach
+    attach(app, state, options)     # /dash, and the relay of other models with --backends (inside the key check)
 
     if options.api_key:
         app.add_middleware(_BearerAuth, key=options.api_key)
