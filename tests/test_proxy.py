@@ -29,8 +29,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))
 
-from proxy_helpers import FIXED_STREAM, FIXED_WHOLE, Dash, FixedBackend, ledger_rows, wait_for, write_backends  # noqa: E402
-from replay_server import ROOT, Server, free_port, write_model  # noqa: E402
+from proxy_helpers import FIXED_STREAM, FIXED_WHOLE, Dash, FixedBackend, ledger_rows, wait_for, write_backends
+from replay_server import ROOT, Server, free_port, write_model
 
 pytestmark = pytest.mark.server
 
@@ -183,14 +183,14 @@ def test_ledger_rows_have_the_tokens_and_the_cost(proxy, fixed):
     assert lrow.cost == 0.0 and lrow.status == 200
     # `tandem ledger` sums them
     out = subprocess.run([sys.executable, "-m", "tandem_core.cli.main", "ledger", "--ledger", str(proxy.ledger),
-                          "--by", "model", "--json"], capture_output=True, text=True, env=proxy.env, timeout=60)
+                          "--by", "model", "--json"], capture_output=True, text=True, env=proxy.env, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     sums = {d["key"]: d for d in map(json.loads, out.stdout.splitlines())}
     rows = ledger_rows(proxy.ledger)
     assert sums[REPLAY]["cost"] == pytest.approx(sum(r.cost for r in rows if r.model == REPLAY))
     assert sums["all"]["requests"] == len(rows)
     table = subprocess.run([sys.executable, "-m", "tandem_core.cli.main", "ledger", "--ledger", str(proxy.ledger),
-                            "--by", "day"], capture_output=True, text=True, env=proxy.env, timeout=60)
+                            "--by", "day"], capture_output=True, text=True, env=proxy.env, timeout=60, check=False)
     assert table.returncode == 0 and "total" in table.stdout
 
 
@@ -299,3 +299,20 @@ def test_a_backend_killed_mid_answer_gives_502_while_the_local_model_answers(pro
     local = c.chat.completions.create(model=LOCAL, messages=_ask(), max_tokens=3, temperature=0)
     assert local.choices[0].message.content is not None
     assert 502 in {r.status for r in ledger_rows(proxy.ledger) if r.backend == "replay"}
+
+
+def test_a_bad_backends_file_stops_serve_and_dash_before_anything_loads(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("backends:\n  - name: a\n    url: http://127.0.0.1:1/v1\n    models: [m]\n    prices: {input: -1, output: 1}\n")
+    env = {**Dash.env_for(tmp_path)}
+    t0 = time.perf_counter()
+    serve = subprocess.run([sys.executable, "-m", "tandem_core.cli.main", "serve", "--model", LOCAL, "--weights",
+                            str(CACHE / "models" / LOCAL), "--port", str(free_port()), "--backends", str(bad)],
+                           capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert serve.returncode == 2 and len(serve.stderr.strip().splitlines()) == 1, serve.stderr
+    assert f"{bad}:5: backends[0].prices.input:" in serve.stderr and "Traceback" not in serve.stderr
+    assert time.perf_counter() - t0 < 30 and "serving" not in serve.stdout
+    dash = subprocess.run([sys.executable, "-m", "tandem_core.proxy.dash_cli", "--backends", str(bad), "--port",
+                           str(free_port())], capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert dash.returncode == 2 and f"{bad}:5: backends[0].prices.input:" in dash.stderr
+    assert len(dash.stderr.strip().splitlines()) == 1

@@ -105,11 +105,16 @@ def write_backends(path: Path, backends: list[dict[str, Any]]) -> Path:
 class Dash:
     """A ``tandem-dash`` process on a free loopback port."""
 
+    @staticmethod
+    def env_for(home: Path) -> dict[str, str]:
+        return {**os.environ, "TANDEM_HOME": str(home), "TANDEM_DISABLE_ENTRYPOINTS": "1",
+                "TANDEM_EXTRA_PLUGINS": "tandem_llama.plugin",
+                "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
     def __init__(self, backends: Path, home: Path, *args: str) -> None:
         self.port = free_port()
         self.ledger = home / "dash-ledger.sqlite"
-        env = {**os.environ, "TANDEM_HOME": str(home), "TANDEM_DISABLE_ENTRYPOINTS": "1",
-               "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = self.env_for(home)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem_core.proxy.dash_cli", "--backends", str(backends), "--port",
              str(self.port), "--ledger", str(self.ledger), *args],
@@ -123,7 +128,7 @@ class Dash:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 60.0) -> "Dash":
+    def wait_ready(self, timeout: float = 60.0) -> Dash:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if any("tandem-dash: relaying" in line for line in self.stdout):
