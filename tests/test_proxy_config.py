@@ -72,9 +72,9 @@ def test_a_backend_may_not_claim_the_local_model():
 
 
 def _row(**kw) -> UsageRow:
-    base = dict(ts=1_700_000_000.0, request_id="r", model="m", endpoint="chat", prompt_tokens=10,
-                completion_tokens=5, finish_reason="stop", ttft_s=0.5, decode_tps=20.0, queued_s=0.0,
-                duration_s=1.0, max_tokens=16, capped_from=None, stream=True)
+    base = {"ts": 1_700_000_000.0, "request_id": "r", "model": "m", "endpoint": "chat", "prompt_tokens": 10,
+            "completion_tokens": 5, "finish_reason": "stop", "ttft_s": 0.5, "decode_tps": 20.0, "queued_s": 0.0,
+            "duration_s": 1.0, "max_tokens": 16, "capped_from": None, "stream": True}
     return UsageRow(**{**base, **kw})
 
 
