@@ -168,7 +168,7 @@ def test_the_dashboard_live_in_chromium(servers, browser):
     assert sorted(tiles) == json.loads(ids.stdout) and LOCAL in tiles
     tile = browser.find_element(By.CSS_SELECTOR, f'#tiles .tile[data-model="{LOCAL}"]')
     assert "tandem pull smollm2-135m" in tile.text and "tandem serve --model smollm2-135m" in tile.text
-    assert "fp32-cpu" in tile.text and "q4_1-lean" in tile.text
+    assert "fp32-cpu" in tile.text and "q4_1-lean" in tile.text and "13.3 tokens/s" in tile.text
     ARTEFACTS.joinpath("dashboard-setup.png").write_bytes(browser.get_screenshot_as_png())
 
     errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]

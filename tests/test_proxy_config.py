@@ -149,3 +149,5 @@ def test_the_setup_guide_has_a_tile_per_registry_entry():
                                            "kv_gib": round(46080 * 4096 / (1 << 30), 3), "state_gib": 0.0,
                                            "total_gib": round(0.501 + round(46080 * 4096 / (1 << 30), 3), 3)}
     assert {p["name"] for p in small["profiles"]} == {"fp32-cpu", "q4_1-lean"}
+    assert [m["name"] for m in small["measured"]] == ["decode-1-thread", "load", "side-lane"]
+    assert all((Path(__file__).resolve().parents[1] / m["doc"]).is_file() for m in small["measured"])
