@@ -36,7 +36,7 @@ def run_ledger(args: argparse.Namespace) -> int:
         raise CliError(f"no ledger at {path} (it is written by `tandem serve` and `tandem-dash`)")
     ledger = Ledger(path)
     try:
-        if args.by:
+        if getattr(args, "by", None):
             return _sums(ledger, args.by, args.json)
         rows = ledger.last(args.last)
         if args.json:
