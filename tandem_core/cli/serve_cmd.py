@@ -110,7 +110,10 @@ def _bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything loads: a taken port is refused in milliseconds, not after
     the weights (uvicorn serves on this socket)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and the accepted ones
+    # inherit it; without it a response's headers and its first body part meet Nagle and the client's delayed
+    # ACK, 40 ms on every answer (tools/bench_proxy.py, docs/measurements/cpu-proxy.md)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
