@@ -41,10 +41,10 @@ if not (Path(CHROMIUM).exists() and Path(DRIVER).exists()):
                 "chromium-driver when it runs as root (tools/provision_browser.sh)", allow_module_level=True)
 
 selenium = pytest.importorskip("selenium", reason="selenium is in the core's test extra: pip install -e '.[test]'")
-from selenium import webdriver  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ return n;
 
 
 def test_the_dashboard_live_in_chromium(servers, browser):
-    srv, replay = servers
+    srv, _replay = servers
     browser.get(srv.url + "/dash")
     _wait(browser, lambda d: _text(d, "conn") == "live", "the live connection")
     health = _wait(browser, lambda d: len(_rows(d, "backends")) == 3 and _rows(d, "backends"), "the backends' health")
@@ -162,8 +162,8 @@ def test_the_dashboard_live_in_chromium(servers, browser):
     browser.get(srv.url + "/dash#/setup")
     _wait(browser, lambda d: d.find_element(By.ID, "tiles").get_attribute("data-loaded"), "the setup guide")
     tiles = [t.get_attribute("data-model") for t in browser.find_elements(By.CSS_SELECTOR, "#tiles .tile")]
-    ids = subprocess.run([sys.executable, "-c", "from tandem_core import catalog; import json; "
-                          "print(json.dumps(sorted(catalog.entries())))"], capture_output=True, text=True,
+    script = "from tandem_core import catalog; import json; print(json.dumps(sorted(catalog.entries())))"
+    ids = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=srv.env, timeout=60, check=True)
     assert sorted(tiles) == json.loads(ids.stdout) and LOCAL in tiles
     tile = browser.find_element(By.CSS_SELECTOR, f'#tiles .tile[data-model="{LOCAL}"]')

@@ -27,8 +27,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "plugins"), str(ROOT)]
 
-from proxy_helpers import Dash, write_backends  # noqa: E402
-from replay_server import Server, write_model  # noqa: E402
+from proxy_helpers import Dash, write_backends
+from replay_server import Server, write_model
 
 TEXT = "Hello there! The weather in Paris is sunny today, and tomorrow it will rain."
 
@@ -78,14 +78,14 @@ def main() -> int:
             urls = {"direct": backend.url + "/v1/chat/completions", "proxy": dash.url + "/v1/chat/completions"}
             res: dict[str, dict[str, list[float]]] = {k: {"whole": [], "first event": [], "stream": []} for k in urls}
             clients = {k: httpx.Client(timeout=60) for k in urls}
-            for k in urls:     # warm: connections, the first chunks' code paths
+            for k, url in urls.items():     # warm: connections, the first chunks' code paths
                 for _ in range(5):
-                    _whole(clients[k], urls[k], body)
-                    _stream(clients[k], urls[k], body)
+                    _whole(clients[k], url, body)
+                    _stream(clients[k], url, body)
             for _ in range(args.requests):
-                for k in urls:
-                    res[k]["whole"].append(_whole(clients[k], urls[k], body))
-                    first, total = _stream(clients[k], urls[k], body)
+                for k, url in urls.items():
+                    res[k]["whole"].append(_whole(clients[k], url, body))
+                    first, total = _stream(clients[k], url, body)
                     res[k]["first event"].append(first)
                     res[k]["stream"].append(total)
             for c in clients.values():

@@ -142,8 +142,8 @@ def parse_backends(text: str, path: Path, env: Mapping[str, str] | None = None) 
     errors = sorted(validator.iter_errors(data), key=lambda e: (list(map(str, e.absolute_path)), e.validator))
     if errors:
         best = jsonschema.exceptions.best_match(errors)
-        where, message = _schema_message(best)
-        raise fail(where, message)
+        key_path, message = _schema_message(best)
+        raise fail(key_path, message)
 
     if env is None:
         from tandem_core.settings import EngineSettings

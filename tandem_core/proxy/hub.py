@@ -386,7 +386,14 @@ class HubMiddleware:
             if not msg.get("more_body", False):
                 break
         body = b"".join(chunks)
-        data = _json_object(body)
+        # a large body (a long prompt) is parsed off the event loop; without backends only its model and
+        # stream flags are wanted (the in-flight list), so one past 1 MiB is not parsed at all
+        if len(body) > 1 << 20 and not self.hub.by_name:
+            data = None
+        elif len(body) > 1 << 18:
+            data = await asyncio.to_thread(_json_object, body)
+        else:
+            data = _json_object(body)
         model = data.get("model") if data is not None else None
         backend = await self.hub.route(model)
         if backend is not None:

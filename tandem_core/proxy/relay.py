@@ -101,7 +101,7 @@ def _forwarded(scope: Scope, b: Backend) -> list[tuple[bytes, bytes]]:
 
 def _split(buf: bytes) -> tuple[list[bytes], bytes]:
     """Whole SSE events (each with its blank line) and the rest."""
-    events = []
+    events: list[bytes] = []
     while True:
         cut = min(((i, s) for s in _SEPARATORS if (i := buf.find(s)) >= 0), default=None)
         if cut is None:
