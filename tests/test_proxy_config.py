@@ -151,3 +151,47 @@ def test_the_setup_guide_has_a_tile_per_registry_entry():
     assert {p["name"] for p in small["profiles"]} == {"fp32-cpu", "q4_1-lean"}
     assert [m["name"] for m in small["measured"]] == ["decode-1-thread", "load", "side-lane"]
     assert all((Path(__file__).resolve().parents[1] / m["doc"]).is_file() for m in small["measured"])
+
+
+def test_the_dashboards_data_needs_the_key_and_its_page_does_not(tmp_path):
+    import asyncio
+
+    import httpx
+
+    from tandem_core.proxy.dash_cli import build_dash_app
+    from tandem_core.proxy.hub import Hub
+
+    bs = parse_backends(GOOD.replace("models: ask", "models: [big]"), Path("b.yaml"), {"VLLM_KEY": "k"})
+    led = Ledger(tmp_path / "l.sqlite")
+    led.write(_row(request_id="a", model="qwen2.5-7b", cost=0.5, backend="vllm"))
+    hub = Hub(bs, led, api_key="s3cret")
+    app = build_dash_app(hub)
+
+    async def run() -> dict[str, httpx.Response]:
+        auth = {"authorization": "Bearer s3cret"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return {
+                "page": await c.get("/dash"), "script": await c.get("/dash/static/dash.js"),
+                "dotted": await c.get("/dash/static/..%2Fdash.py"), "post": await c.post("/dash/api/state"),
+                "state-nokey": await c.get("/dash/api/state"), "state": await c.get("/dash/api/state", headers=auth),
+                "ledger": await c.get("/dash/api/ledger?by=model", headers=auth),
+                "ledger-bad": await c.get("/dash/api/ledger?by=week", headers=auth),
+                "models-nokey": await c.get("/v1/models"), "models": await c.get("/v1/models", headers=auth),
+                "unknown": await c.post("/v1/chat/completions", headers=auth, json={"model": "nope"}),
+            }
+
+    r = asyncio.run(run())
+    led.close()
+    assert r["page"].status_code == 200 and "dash.js" in r["page"].text
+    assert "default-src 'self'" in r["page"].headers["content-security-policy"]
+    assert r["script"].status_code == 200 and r["script"].headers["content-type"].startswith("text/javascript")
+    assert r["dotted"].status_code == 404 and r["post"].status_code == 405
+    assert r["state-nokey"].status_code == 401 and r["state-nokey"].json()["error"]["code"] == "invalid_api_key"
+    assert {b["name"] for b in r["state"].json()["backends"]} == {"vllm", "cloud"}
+    ledger = r["ledger"].json()
+    assert ledger["totals"]["cost"] == 0.5 and ledger["groups"][0]["key"] == "qwen2.5-7b"
+    assert r["ledger-bad"].status_code == 400 and r["ledger-bad"].json()["error"]["param"] == "by"
+    assert r["models-nokey"].status_code == 401
+    assert {m["id"]: m["owned_by"] for m in r["models"].json()["data"]} == {"qwen2.5-7b": "vllm",
+                                                                           "qwen2.5-coder": "vllm", "big": "cloud"}
+    assert r["unknown"].status_code == 404 and "qwen2.5-7b" in r["unknown"].json()["error"]["message"]
