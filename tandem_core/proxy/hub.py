@@ -113,6 +113,8 @@ class Hub:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.clients: dict[str, Any] = {}
         self._poller: asyncio.Task[None] | None = None
+        self._first: asyncio.Future[Any] | None = None
+        self._ticker: asyncio.Task[None] | None = None
         self._asked = 0.0
         self.started = time.time()
 
@@ -135,6 +137,7 @@ class Hub:
     async def route(self, model: Any) -> Backend | None:
         if not isinstance(model, str) or not self.by_name or model == self.local_model:
             return None
+        await self.ready()
         name = self.routes().get(model)
         if name is None and any(b.ask for b in self.by_name.values()) and time.monotonic() - self._asked > 2.0:
             self._asked = time.monotonic()      # a model an ask backend may have gained: ask once, then route
@@ -183,11 +186,19 @@ class Hub:
         h.failures += 1
 
     async def start(self) -> None:
+        """At the app's start: the first health checks run in the background (a backend that does not answer
+        never holds up the server's start); ``/v1/models`` and routing wait for them (``ready``)."""
         self.loop = asyncio.get_running_loop()
         if self.by_name:
-            await asyncio.gather(*(self.check(b) for b in self.by_name.values()))
+            self._first = asyncio.ensure_future(asyncio.gather(*(self.check(b) for b in self.by_name.values())))
             self._poller = asyncio.create_task(self._poll())
         self._ticker = asyncio.create_task(self._tick())
+
+    async def ready(self) -> None:
+        """The first health checks are done (each bounded by its backend's health timeout)."""
+        first = self._first
+        if first is not None and not first.done():
+            await asyncio.shield(first)
 
     async def _poll(self) -> None:
         last = {n: time.monotonic() for n in self.by_name}
@@ -208,7 +219,7 @@ class Hub:
                 self._put("state", self.snapshot())
 
     async def stop(self) -> None:
-        for t in (self._poller, getattr(self, "_ticker", None)):
+        for t in (self._first, self._poller, self._ticker):
             if t is not None:
                 t.cancel()
         for c in list(self.clients.values()):
@@ -461,6 +472,7 @@ class HubMiddleware:
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/models``: the app's own list (when there is a local model) and every backend's."""
         data: list[dict[str, Any]] = []
+        await self.hub.ready()
         if self.hub.local_model is not None:
             status, headers, raw = await _capture(self.app, scope, receive)
             if status != 200:
