@@ -65,6 +65,7 @@ def backends_file(tmp_path_factory, backend, fixed):
     return write_backends(d / "backends.yaml", [
         {"name": "replay", "url": backend.url + "/v1", "models": "ask", "prices": PRICES},
         {"name": "fixed", "url": fixed.url("fixed"), "models": ["fixed-model"], "prices": {"input": 1, "output": 1}},
+        {"name": "fixed-raw", "url": fixed.url("fixed"), "models": ["fixed-raw-model"], "stream_usage": False},
         {"name": "slow", "url": fixed.url("slow"), "models": ["slow-model"], "timeouts": {"read": 0.5}},
         {"name": "down", "url": f"http://127.0.0.1:{free_port()}/v1", "models": ["down-model"],
          "timeouts": {"connect": 1}},
@@ -115,6 +116,7 @@ def test_models_list_the_union(proxy):
     assert models[LOCAL] == "tandem"
     assert models[REPLAY] == "replay"           # asked of its GET /v1/models
     assert models["fixed-model"] == "fixed" and models["down-model"] == "down"
+    assert models["fixed-raw-model"] == "fixed-raw"
 
 
 def test_requests_land_where_they_should(proxy, backend):
@@ -151,6 +153,15 @@ def test_a_relayed_stream_is_the_backends_bytes(proxy, backend, fixed):
     path, headers, sent = fixed.seen[-1]
     assert path == "/fixed/v1/chat/completions" and sent == sent_body   # the body unchanged
     assert headers["x-stainless-lang"] == "python" and "authorization" not in headers
+    # a stream without include_usage: the proxy asks for it, unless the backend says stream_usage: false
+    for model, asked in (("fixed-model", True), ("fixed-raw-model", False)):
+        raw = json.dumps({"model": model, "messages": _ask("y"), "stream": True}).encode()
+        with httpx.Client(timeout=30) as h, h.stream("POST", proxy.url + "/v1/chat/completions", content=raw,
+                                                     headers={"content-type": "application/json"}) as r:
+            assert b"".join(r.iter_raw()) == FIXED_STREAM
+        sent = fixed.seen[-1][2]
+        assert (sent == raw) is not asked
+        assert json.loads(sent).get("stream_options") == ({"include_usage": True} if asked else None)
     with httpx.Client(timeout=30) as h:
         whole = h.post(proxy.url + "/v1/chat/completions", content=b'{"model": "fixed-model", "messages": []}')
     assert whole.content == FIXED_WHOLE and fixed.seen[-1][2] == b'{"model": "fixed-model", "messages": []}'

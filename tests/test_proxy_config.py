@@ -38,6 +38,8 @@ def test_a_good_file_reads_every_field(tmp_path):
     assert (vllm.connect_s, vllm.read_s, vllm.price_in, vllm.price_out) == (2.0, 60.0, 0.15, 0.6)
     assert vllm.cost(1_000_000, 2_000_000) == pytest.approx(0.15 + 1.2)
     assert cloud.ask and cloud.api_key is None and cloud.read_s == 300.0 and cloud.cost(10, 10) == 0.0
+    assert vllm.stream_usage and not parse_backends(GOOD + "    stream_usage: false\n", Path("b.yaml"),
+                                                    {"VLLM_KEY": "k"}).backends[1].stream_usage
 
 
 @pytest.mark.parametrize(("text", "env", "expected"), [

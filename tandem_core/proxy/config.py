@@ -39,6 +39,7 @@ class Backend:
     health_every_s: float = 15.0
     price_in: float = 0.0           # per million prompt tokens
     price_out: float = 0.0          # per million completion tokens
+    stream_usage: bool = True       # ask for stream_options.include_usage on a stream without it
 
     @property
     def ask(self) -> bool:
@@ -173,7 +174,8 @@ def parse_backends(text: str, path: Path, env: Mapping[str, str] | None = None) 
         out.append(Backend(name=name, url=b["url"].rstrip("/"), models=models, api_key=key, api_key_env=key_env,
                            connect_s=float(t.get("connect", 5.0)), read_s=float(t.get("read", 300.0)),
                            health_s=float(t.get("health", 5.0)), health_every_s=float(b.get("health_every", 15.0)),
-                           price_in=float(p.get("input", 0.0)), price_out=float(p.get("output", 0.0))))
+                           price_in=float(p.get("input", 0.0)), price_out=float(p.get("output", 0.0)),
+                           stream_usage=bool(b.get("stream_usage", True))))
     return Backends(path, tuple(out), lines)
 
 

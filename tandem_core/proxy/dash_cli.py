@@ -127,6 +127,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"tandem-dash: the ledger cannot be opened: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     hub = Hub(backends, ledger, api_key=args.api_key)
+    hub.rows.extend(ledger.last(200))       # the plots start from the ledger's recent history
     host = f"[{args.host}]" if ":" in args.host else args.host
     ready = (f"tandem-dash: relaying {len(backends.backends)} backend(s) at http://{host}:{args.port}/v1, "
              f"dashboard at http://{host}:{args.port}/dash")

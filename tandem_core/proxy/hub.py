@@ -456,6 +456,8 @@ class HubMiddleware:
             nonlocal status
             if msg["type"] == "http.response.start":
                 status = int(msg["status"])
+            elif f.first is None and msg.get("body"):
+                f.first = time.time()
             await send(msg)
 
         try:
@@ -537,6 +539,8 @@ def attach_to_app(app: Any, state: Any, options: Any) -> None:
         backends.check_local(state.served.model_id)
     hub = Hub(backends, None, state=state, api_key=options.api_key)
     hub.ledger = LedgerTap(state.ledger, hub)
+    if state.ledger is not None:
+        hub.rows.extend(state.ledger.last(200))     # the plots start from the ledger's recent history
     state.ledger = hub.ledger
     app.state.hub = hub
     app.add_middleware(HubMiddleware, hub=hub)

@@ -162,14 +162,13 @@ async def relay(hub: Hub, b: Backend, scope: Scope, receive: Receive, send: Send
     ts = time.time()
     stream = data.get("stream") is True
     injected = False
-    if stream:
+    if stream and b.stream_usage:
         so = data.get("stream_options")
         if not (isinstance(so, dict) and so.get("include_usage") is True):
             body = json.dumps({**data, "stream_options": {**(so if isinstance(so, dict) else {}),
                                                           "include_usage": True}}).encode()
             injected = True
-    model = str(data.get("model"))
-    flight = hub.flight(model, b.name, endpoint, stream)
+    flight = hub.flight(str(data.get("model"))[:200], b.name, endpoint, stream)
     tally = _Tally(t0)
     task = asyncio.ensure_future(_exchange(hub, b, scope, send, body, stream, injected, tally, flight))
     watcher = asyncio.ensure_future(_watch(receive))
