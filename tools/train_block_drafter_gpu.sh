@@ -21,6 +21,12 @@
 #   call 1..n-1: carry [.smol/part-aa] ...           command: tools/train_block_drafter_gpu.sh stash
 #   call n:      carry [.smol/part-ac, .whl]          command: tools/train_block_drafter_gpu.sh stash setup model \
 #                                                              data train bench collect
+#
+# Shipping the result (here, after the run): copy $OUT/drafter-config.json and $OUT/drafter-model.safetensors to
+# tandem_core/shipped/models/smollm2-135m/drafters/block/config.json and .../model.safetensors, paste
+# $OUT/registry-snippet.yaml into that model.yaml (top level), add "block" to its methods, and put
+# $OUT/block-drafter.md's section into docs/measurements/block-drafter.md; `tandem registry --check` then checks
+# the sizes, `tandem pull` copies and verifies the files, and `--spec auto` (the default) drafts with them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
