@@ -11,7 +11,7 @@ MODEL ?= smollm2-135m
 # the test set-up's pin (the packages ask for torch>=2.4, so a CUDA build already in the venv stays)
 TORCH ?= torch==2.13.0
 
-.PHONY: serve test install install-test dist clean
+.PHONY: serve test install install-test provision-browser dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,11 +30,15 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
+# the browser test's Debian chromium and chromium-driver: installed only when missing and root has apt-get
+provision-browser:
+	@sh tools/provision_browser.sh
+
 serve: $(VENV)/.installed
 	$(VENV)/bin/tandem pull $(MODEL)
 	$(VENV)/bin/tandem serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test provision-browser
 	$(VENV)/bin/python -m pytest -q
 
 # wheels of the core and every plugin (not editable), for `pip install dist/*.whl`

@@ -165,10 +165,12 @@ def check_entry(e: Entry, repo_root: Path | None = None) -> list[str]:
         for key in t.get("settings", []):
             if key not in SETTINGS:
                 problems.append(f"{e.path}: tool {t['name']!r} names setting {key!r}, which nothing declares")
-    if "docs" in d:
-        root = repo_root or _checkout()
-        if root is not None and not (root / d["docs"]).exists():
-            problems.append(f"{e.path}: docs link {d['docs']!r} is not there")
+    root = repo_root or _checkout()
+    if "docs" in d and root is not None and not (root / d["docs"]).exists():
+        problems.append(f"{e.path}: docs link {d['docs']!r} is not there")
+    for m in d.get("measured", []):
+        if root is not None and not (root / m["doc"]).exists():
+            problems.append(f"{e.path}: measured {m['name']!r}: its doc {m['doc']!r} is not there")
     for name, spec in (d.get("drafters") or {}).items():
         src = spec["source"]
         if src["kind"] == "registry":

@@ -48,6 +48,8 @@ def test_the_core_wheel_carries_the_registry(wheels):
     assert "tandem_core/shipped/models/smollm2-135m/model.yaml" in names
     assert "tandem_core/shipped/schema/model.schema.json" in names
     assert any(n.startswith("tandem_core/shipped/prices/") for n in names)
+    assert {"tandem_core/proxy/backends.schema.json", "tandem_core/proxy/static/index.html",
+            "tandem_core/proxy/static/dash.js", "tandem_core/proxy/static/dash.css"} <= names
     assert not any(n.startswith(("tests/", "plugins/", "docs/")) for n in names)
 
 
@@ -75,6 +77,9 @@ def test_the_installed_wheels_list_pull_and_serve(wheels, bare_venv, smollm2_pat
                             timeout=120)
     assert models.returncode == 0, models.stderr
     assert "smollm2-135m" in models.stdout and "qwen3.8-27b" in models.stdout
+    dash = subprocess.run([str(bare_venv.parent / "tandem-dash"), "--help"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120, check=False)
+    assert dash.returncode == 0 and "--backends" in dash.stdout, dash.stderr
     pulled = subprocess.run([str(tandem), "pull", "smollm2-135m"], capture_output=True, text=True, env=env,
                             cwd=tmp_path, timeout=600)
     assert pulled.returncode == 0, pulled.stderr
@@ -100,6 +105,10 @@ def test_the_installed_wheels_list_pull_and_serve(wheels, bare_venv, smollm2_pat
         got = client.chat.completions.create(model="smollm2-135m", max_tokens=12, temperature=0,
                                              messages=[{"role": "user", "content": "Say hello."}])
         assert got.choices[0].message.content and got.usage.completion_tokens > 0
+        import httpx
+
+        page = httpx.get(f"http://127.0.0.1:{port}/dash/static/dash.js", timeout=30)
+        assert page.status_code == 200 and "tandemDash" in page.text      # the dashboard ships in the wheel
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)

@@ -51,6 +51,9 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
                    help="no prefix caches, no disk tier, no session spill: every prefill from cold")
     p.add_argument("--cache-dir", help="this model's disk cache and session spill "
                                        "(default: $TANDEM_HOME/cache/<model id>)")
+    p.add_argument("--backends", metavar="FILE",
+                   help="relay requests for other models to the OpenAI-compatible backends this YAML file lists "
+                        "(docs/proxy.md)")
     p.add_argument("--mem-peak", metavar="BYTES",
                    help="the most memory the process may use at its peak (e.g. 24G, 22.5GiB; default: "
                         "$TANDEM_MEM_PEAK, or measured from the device): the memory gate refuses a prompt "
@@ -109,7 +112,10 @@ def _bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything loads: a taken port is refused in milliseconds, not after
     the weights (uvicorn serves on this socket)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and the accepted ones
+    # inherit it; without it a response's headers and its first body part meet Nagle and the client's delayed
+    # ACK, 40 ms on every answer (tools/bench_proxy.py, docs/measurements/cpu-proxy.md)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -120,6 +126,20 @@ def _bind(host: str, port: int) -> socket.socket:
         raise LoadFailed(f"port {port} on {host} {why}; stop the other server or pass --port N") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _backends(path: str | None, model_id: str) -> Any:
+    """The backends file, checked before anything loads (a bad one: one line naming the file, line and key)."""
+    if path is None:
+        return None
+    from tandem_core.proxy.config import BackendsError, load_backends
+
+    try:
+        backends = load_backends(path)
+        backends.check_local(model_id)
+    except BackendsError as exc:
+        raise CliError(f"--backends {exc}") from None
+    return backends
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -137,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(f"--mem-peak: {exc}") from exc
     model_id, _ = resolve(args.model, args.weights)
+    args.backends_config = _backends(args.backends, model_id)
     sock = _bind(args.host, args.port)
     lock = None
     try:
@@ -181,7 +202,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
                             side_lane=bool(SETTINGS.get("SIDE_LANE")),
                             caches=None if lock is None else CacheOptions(directory=directory, mem_peak=mem_peak,
                                                                           lock=lock),
-                            spec=SpecOptions(drafters=_drafters(args.spec), max_tree=args.max_tree))
+                            spec=SpecOptions(drafters=_drafters(args.spec), max_tree=args.max_tree),
+                            backends=getattr(args, "backends_config", None))
     try:
         state = ServerState(served, options)
     except ParallelUnavailable as exc:

@@ -47,6 +47,8 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
     app = FastAPI(title="TandemLLM", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.tandem = shared
     openai_errors(app)
+    from tandem_core.proxy import attach
+    attach(app, shared, options)    # /dash, and the relay of other models with --backends (inside the key check)
     if options.api_key:
         app.add_middleware(BearerAuth, key=options.api_key)
     for router in ROUTERS:

@@ -1,18 +1,20 @@
 """The usage ledger: one SQLite row per request (counts and times, never text).
 
-``Ledger(path)`` creates the table when needed; ``write(row)`` is safe from any
-thread; ``last(n)`` reads the newest rows, oldest first. The default file is
-``$TANDEM_HOME/ledger.sqlite``.
+``Ledger(path)`` creates the table when needed (and adds the columns a ledger written
+by an older version lacks); ``write(row)`` is safe from any thread; ``last(n)`` reads
+the newest rows, oldest first; ``summary(by)`` sums them by model or by day. The
+default file is ``$TANDEM_HOME/ledger.sqlite``.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
-__all__ = ["UsageRow", "Ledger", "default_path"]
+__all__ = ["UsageRow", "Ledger", "Summary", "default_path"]
 
 
 @dataclass(frozen=True)
@@ -31,17 +33,41 @@ class UsageRow:
     max_tokens: int             # what the generation was allowed
     capped_from: int | None     # the request's max_tokens when it was capped to fit the context
     stream: bool
+    backend: str = "local"      # "local" (this server's engine) or the backends file's name of a relay
+    cost: float = 0.0           # from the backend's prices per million tokens (0 for the local model)
+    status: int = 200           # the HTTP status the client got (499: it went away)
+    counted: bool = False       # tokens counted by the proxy (the backend sent no usage)
 
 
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The sums of one group of rows (a model, a day, or all of them)."""
+
+    key: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float
+    errors: int                 # rows whose status is not 200
+    mean_ttft_s: float | None
+    mean_decode_tps: float | None
+
+
+def _sql_type(f: Any) -> str:
+    base = f.type if isinstance(f.type, str) else f.type.__name__
+    return "REAL" if "float" in base else "INTEGER" if ("int" in base or "bool" in base) else "TEXT"
+
+
+def _sql_default(f: Any) -> str:
+    if f.default is MISSING:
+        return ""
+    return f" DEFAULT {f.default!r}" if not isinstance(f.default, bool) else f" DEFAULT {int(f.default)}"
 
 
 def _columns() -> str:
-    out = []
-    for f in fields(UsageRow):
-        base = f.type if isinstance(f.type, str) else f.type.__name__
-        sql = "REAL" if "float" in base else "INTEGER" if ("int" in base or "bool" in base) else "TEXT"
-        out.append(f"{f.name} {sql}")
-    return ", ".join(out)
+    return ", ".join(f"{f.name} {_sql_type(f)}" for f in fields(UsageRow))
 
 
 def default_path() -> Path:
@@ -58,6 +84,10 @@ class Ledger:
         self._db = sqlite3.connect(str(self.path), check_same_thread=False)
         with self._lock, self._db:
             self._db.execute(f"CREATE TABLE IF NOT EXISTS usage (id INTEGER PRIMARY KEY AUTOINCREMENT, {_columns()})")
+            have = {r[1] for r in self._db.execute("PRAGMA table_info(usage)")}
+            for f in fields(UsageRow):
+                if f.name not in have:     # a ledger of an older version: the new columns, with their defaults
+                    self._db.execute(f"ALTER TABLE usage ADD COLUMN {f.name} {_sql_type(f)}{_sql_default(f)}")
 
     def write(self, row: UsageRow) -> None:
         data = asdict(row)
@@ -75,8 +105,23 @@ class Ledger:
         for r in reversed(rows):
             d = dict(zip(names, r))
             d["stream"] = bool(d["stream"])
+            d["counted"] = bool(d["counted"])
             out.append(UsageRow(**d))
         return out
+
+    def summary(self, by: str | None = None) -> list[Summary]:
+        """Sums by ``model``, by ``day`` (local time, ``YYYY-MM-DD``) or, with None, of every row (one group)."""
+        group = {"model": "model", "day": "date(ts, 'unixepoch', 'localtime')", None: "'all'"}.get(by)
+        if group is None:
+            raise ValueError(f"by: {by!r} is not model or day")
+        with self._lock:
+            cur = self._db.execute(
+                f"SELECT {group} AS k, COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0),"
+                f" COALESCE(SUM(cost), 0), COALESCE(SUM(status != 200), 0), AVG(ttft_s), AVG(decode_tps)"
+                f" FROM usage GROUP BY k ORDER BY k")
+            rows = cur.fetchall()
+        return [Summary(str(k), int(n), int(p), int(c), float(cost), int(e), ttft, tps)
+                for k, n, p, c, cost, e, ttft, tps in rows]
 
     def close(self) -> None:
         with self._lock:

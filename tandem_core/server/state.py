@@ -52,6 +52,7 @@ class ServerOptions:
     side_lane: bool = True              # TANDEM_SIDE_LANE: short requests served at safe points
     caches: CacheOptions | None = None  # None: no caches (every prefill cold)
     spec: SpecOptions | None = None     # None: plain decoding
+    backends: Any = None                # tandem_core.proxy.Backends: relay other models there (None: none)
 
 
 def _engines(served: Served, n: int) -> list[Any]:
@@ -262,7 +263,8 @@ class ServerState:
                     prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                     finish_reason=out.finish, ttft_s=ttft, decode_tps=out.decode_rate, queued_s=queued_s,
                     duration_s=now - job.t_arrival, max_tokens=job.decode.max_tokens,
-                    capped_from=job.capped_from, stream=job.stream))
+                    capped_from=job.capped_from, stream=job.stream,
+                    status=(out.status if out.finish == "error" else 499 if out.finish == "cancelled" else 200)))
             except Exception as exc:  # the ledger never fails a request
                 log.error("req=%s ledger write failed: %s", job.rid, exc)
 
