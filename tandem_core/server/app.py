@@ -31,8 +31,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from tandem_core.cache.gate import MemoryGateError
 from tandem_core.server.admission import Admission, QueueFull, Slot, Ticket
-from tandem_core.server.body import read_body
 from tandem_core.server.caches import CacheOptions, ServerCaches, build_caches
+from tandem_core.server.conduct import Conduct
 from tandem_core.server.speculation import SpecOptions, build_speculation
 from tandem_core.server.fields import FieldError
 from tandem_core.server.generate import Outcome, run_job
@@ -67,6 +67,7 @@ class ServerOptions:
     side_lane: bool = True              # TANDEM_SIDE_LANE: short requests served at safe points
     caches: CacheOptions | None = None  # None: no caches (every prefill cold)
     spec: SpecOptions | None = None     # None: plain decoding
+    conductor: Path | None = None       # --conductor: the profile file (None: no conductor)
 
 
 def _engines(served: Served, n: int) -> list[Any]:
@@ -111,6 +112,7 @@ class ServerState:
         self.started = int(time.time())
         self.tokenizer_fingerprint = served.tokenizer.fingerprint()
         self.active: set[threading.Event] = set()
+        self.conduct = Conduct(self, options.conductor)     # turn planning and the monitor (server.conduct)
 
     def _metric_lines(self) -> list[str]:
         lines = self.spec.metric_lines()
@@ -122,7 +124,7 @@ class ServerState:
                   f"tandem_side_lane_waiting {sum(len(lane) for lane in self.lanes)}"]
         if self.caches is not None:
             lines += self.caches.metric_lines()
-        return lines + self._engine_lines()
+        return lines + self.conduct.metric_lines() + self._engine_lines()
 
     def _engine_lines(self) -> list[str]:
         """Where the engines run, their memory by part and device, and the widths captured as graphs."""
@@ -269,7 +271,7 @@ class ServerState:
                              out.decode_rate)
         if pre is not None:
             self.metrics.prefill(pre.tier, pre.start, pre.total)
-        if self.ledger is not None:
+        if self.ledger is not None and job.endpoint != "conductor":    # a conductor's hidden request: no row
             try:
                 self.ledger.write(UsageRow(
                     ts=job.ts, request_id=job.rid, model=job.model, endpoint=job.endpoint,
@@ -299,6 +301,7 @@ class ServerState:
         for ev in list(self.active):
             ev.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.conduct.close()
         if self.ledger is not None:
             self.ledger.close()
         if self.caches is not None:
@@ -467,6 +470,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
                                      "served": sum(lane.total for lane in state.lanes)}},
             "caches": state.caches.health() if state.caches is not None else {"enabled": False},
             "speculation": state.spec.health(),
+            "conductor": state.conduct.health(),
             "info": info,
         })
 
@@ -477,7 +481,7 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
     @app.get("/v1/models")
     async def models() -> Any:
         return _json({"object": "list", "data": [{
-            "id": served.model_id, "object": "model", "created": state.started, "owned_by": "tandem",
+            "id": state.conduct.model_name, "object": "model", "created": state.started, "owned_by": "tandem",
             "max_model_len": state.max_context}]})
 
     @app.get("/metrics")
@@ -487,14 +491,13 @@ def build_app(served: Served, options: ServerOptions, state: ServerState | None 
     async def handle(request: Request, endpoint: str) -> Any:
         raw = await request.body()
 
-        def prepare() -> Job:
-            body = read_body(raw)           # the depth limit before anything recurses into it
+        def prepare(body: Any) -> Job:      # read_body's: the depth limit before anything recurses into it
             if endpoint == "chat":
                 return prepare_chat(body, served, state.max_context, state.grammars)
             return prepare_completion(body, served, state.max_context)
 
         try:
-            job = await asyncio.to_thread(prepare)
+            job = await state.conduct.prepare(request.headers, endpoint, raw, prepare)
         except FieldError as exc:
             return _error(400, exc.message, param=exc.field)
         except ModelNotServed as exc:

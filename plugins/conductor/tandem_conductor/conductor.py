@@ -1,0 +1,328 @@
+"""The conductor: plans each turn (profile, side request, router, note, thinking budget) and watches it.
+
+``Conductor(path, host)`` is what the core builds for ``tandem serve --conductor PATH``
+(``tandem_core.server.conduct``). For each chat request ``plan``:
+
+1. checks the model name (the server serves ``config.model_name``, ``TandemLLM``);
+2. resolves the profile: the ``X-Tandem-Profile`` header, else the first client rule that matches
+   (User-Agent regex and the request's shape), else the default;
+3. strips the status lines it sent earlier from the assistant messages;
+4. recognises a side request by its shape (opencode's title call): output capped (at most 64
+   tokens), thinking off, no classifier, no note, no watch: the server's side lane takes it;
+5. replays the notes of earlier user messages (``sessions``) at the same place;
+6. routes: a new user message asks the classifier (the served model under a choice grammar over
+   the class names, hidden: ``host.ask``); a tool-result turn keeps the session's class (by its
+   prefix, else the ``X-Tandem-Session`` header, else the default class), with no classifier call;
+7. appends the class's note (effort sentence, rules, packages) to the new user message;
+8. sets the thinking budget (``thinking_budget`` in the body, else ``reasoning_effort``, else the
+   class's) and hands the generation a ``monitor.TurnWatch``.
+
+Each turn leaves one journal line (``journal``), never text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Mapping
+
+from tandem_core.server.conduct import ConductorHost, Turn
+from tandem_core.server.fields import FieldError
+from tandem_core.server.prepare import ModelNotServed
+
+from tandem_conductor import profile as profiles
+from tandem_conductor.journal import Journal, NotesStore
+from tandem_conductor.monitor import MEMORY_CLOSE, MEMORY_OPEN, Plan, TurnWatch
+from tandem_conductor.sessions import Remembered, Sessions, prefix_keys, strip_status, text_of
+
+__all__ = ["Conductor", "CLASSIFIER_PROMPT"]
+
+log = logging.getLogger("tandem.conductor")
+
+CLASSIFIER_PROMPT = ("You route requests sent to a coding assistant. The classes:\n{classes}\n"
+                     "Answer with the name of the class that fits the user's request best.")
+CLASSIFIER_CHARS = 2000     # of the user's message the classifier reads (a short request: the side lane)
+MEMORY_SENTENCE = (f"To keep a fact for later sessions, write it inside {MEMORY_OPEN}...{MEMORY_CLOSE}; "
+                   f"the user does not see that block.")
+
+
+def _with_note(message: dict[str, Any], note: str) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, list):
+        return {**message, "content": [*content, {"type": "text", "text": note}]}
+    return {**message, "content": (content or "") + note}
+
+
+class Conductor:
+    def __init__(self, path: Path, host: ConductorHost) -> None:
+        self.config = profiles.load(path)
+        self.host = host
+        self.model_name = self.config.model_name
+        self.sessions = Sessions()
+        self.journal = Journal(self.config.journal)
+        store = self.config.notes_store
+        if store is None and any(p.memory_notes for p in self.config.profiles.values()):
+            store = Path(os.environ.get("TANDEM_HOME") or "~/.tandem").expanduser() / "conductor" / "notes.sqlite"
+        self.notes = NotesStore(store) if store is not None else None
+        self.classifier_calls = 0
+        self.side_requests = 0
+        self.turns: Counter[tuple[str, str]] = Counter()
+        self.actions: Counter[str] = Counter()
+        self.memory_notes = 0
+        self._rate: float | None = None       # measured prefill tokens/s (moving average)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def check(cls, path: Path) -> None:
+        profiles.check(path)
+
+    # -- planning --------------------------------------------------------------------------------------
+
+    def _profile(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[profiles.Profile, str]:
+        cfg = self.config
+        named = headers.get("x-tandem-profile")
+        if named:
+            if named not in cfg.profiles:
+                raise FieldError("X-Tandem-Profile", f"names {named!r}, which is not a profile here "
+                                                     f"(profiles: {', '.join(sorted(cfg.profiles))})")
+            return cfg.profiles[named], "header"
+        agent = headers.get("user-agent", "")
+        for rule in cfg.clients:
+            if rule.user_agent is not None and not rule.user_agent.search(agent):
+                continue
+            if rule.tools is not None and bool(body.get("tools")) != rule.tools:
+                continue
+            if rule.stream is not None and bool(body.get("stream")) != rule.stream:
+                continue
+            return cfg.profiles[rule.profile], f"client:{rule.name}"
+        return cfg.profiles[cfg.default_profile], "default"
+
+    @staticmethod
+    def _side(prof: profiles.Profile, body: Mapping[str, Any], messages: list[Any]) -> profiles.SideShape | None:
+        roles = tuple(m.get("role") for m in messages if isinstance(m, dict))
+        for shape in prof.side_requests:
+            if roles != shape.roles:
+                continue
+            if shape.tools is not None and bool(body.get("tools")) != shape.tools:
+                continue
+            if shape.stream is not None and bool(body.get("stream")) != shape.stream:
+                continue
+            if shape.system_contains is not None:
+                system = next((text_of(m.get("content")) for m in messages if m.get("role") == "system"), "")
+                if shape.system_contains.lower() not in system.lower():
+                    continue
+            return shape
+        return None
+
+    def _note(self, prof: profiles.Profile, klass: profiles.Klass) -> str:
+        parts = [klass.effort] if klass.effort else []
+        parts += [f"- {r}" for r in klass.rules]
+        parts += [self.config.packages[p] for p in klass.packages]
+        if prof.memory_notes:
+            parts.append(MEMORY_SENTENCE)
+        if not parts:
+            return ""
+        return "\n\n<tandem_note>\n" + "\n".join(parts) + "\n</tandem_note>"
+
+    async def _classify(self, prof: profiles.Profile, text: str) -> tuple[str, str, float | None]:
+        names = list(prof.classes)
+        if prof.classifier == "none" or len(names) == 1:
+            return prof.default_class, "default", None
+        listing = "\n".join(f"- {k.name}: {k.description}" for k in prof.classes.values())
+        messages = [{"role": "system", "content": CLASSIFIER_PROMPT.format(classes=listing)},
+                    {"role": "user", "content": text[-CLASSIFIER_CHARS:] or "(empty)"}]
+        t0 = time.perf_counter()
+        with self._lock:
+            self.classifier_calls += 1
+        try:
+            answer = (await self.host.ask(messages, names, max_tokens=16)).strip()
+        except Exception as exc:  # busy, over the memory gate: the default class, and the journal says so
+            log.warning("conductor: classifier did not run: %s", type(exc).__name__)
+            return prof.default_class, "fallback", None
+        ms = (time.perf_counter() - t0) * 1e3
+        if answer not in prof.classes:
+            return prof.default_class, "fallback", ms
+        return answer, "classifier", ms
+
+    async def plan(self, endpoint: str, body: dict[str, Any], headers: Mapping[str, str]) -> Turn:
+        t0 = time.perf_counter()
+        body = dict(body)
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ModelNotServed(f"model: {model!r} is not served here; this server serves {self.model_name!r}")
+        body["model"] = self.host.served.model_id
+        messages = body.get("messages")
+        if endpoint != "chat" or not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return Turn(body, self.model_name)     # prepare refuses what is malformed, naming the field
+        prof, prof_by = self._profile(body, headers)
+        messages = [{**m, "content": strip_status(m["content"])}
+                    if m.get("role") == "assistant" and isinstance(m.get("content"), str) else m for m in messages]
+        shape = self._side(prof, body, messages)
+        if shape is not None:
+            return self._side_turn(body, messages, prof, prof_by, shape, t0)
+        keys = prefix_keys(messages)
+        new = list(messages)
+        for i, key in keys.items():         # earlier notes, replayed where they were
+            found = self.sessions.by_key(key)
+            if found is not None and found.note and i != len(messages) - 1:
+                new[i] = _with_note(new[i], found.note)
+        session = headers.get("x-tandem-session") or ""
+        last_user = max(keys) if keys else None
+        classifier_ms = None
+        note_id = ""
+        if last_user is None:
+            klass, class_by = prof.default_class, "default"
+        else:
+            remembered = self.sessions.by_key(keys[last_user])
+            if last_user == len(messages) - 1:                   # a new user message
+                if remembered is not None and remembered.profile == prof.name:
+                    klass, class_by = remembered.klass, "session"   # the same turn again (a retry)
+                    note = remembered.note
+                else:
+                    klass, class_by, classifier_ms = await self._classify(prof, text_of(messages[-1].get("content")))
+                    note = self._note(prof, prof.classes[klass])
+                if note:
+                    new[last_user] = _with_note(new[last_user], note)
+                note_id = hashlib.sha256(note.encode()).hexdigest()[:12] if note else ""
+                self.sessions.remember(keys[last_user], Remembered(prof.name, klass, note, note_id), session)
+            else:                                                # a tool result (or an assistant prefill)
+                if remembered is None and session:
+                    remembered, class_by = self.sessions.by_session(session), "header"
+                else:
+                    class_by = "session"
+                if remembered is not None and remembered.klass in prof.classes:
+                    klass, note_id = remembered.klass, remembered.note_id
+                else:
+                    klass, class_by = prof.default_class, "default"
+        budget = self._budget(body, prof, prof.classes[klass])
+        if budget == 0:
+            body["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}), "enable_thinking": False}
+        body["messages"] = new
+        history = [(c.get("function", {}).get("name", ""), _canon_args(c.get("function", {}).get("arguments")))
+                   for m in messages if m.get("role") == "assistant" for c in (m.get("tool_calls") or [])
+                   if isinstance(c, dict)]
+        plan = Plan(profile=prof.name, profile_by=prof_by, klass=klass, class_by=class_by, note_id=note_id,
+                    session=session[:64], budget=budget, status_lines=prof.status_lines,
+                    memory_notes=prof.memory_notes, classifier_ms=classifier_ms,
+                    plan_ms=(time.perf_counter() - t0) * 1e3, history_calls=history)
+        with self._lock:
+            self.turns[(prof.name, klass)] += 1
+        return Turn(body, self.model_name, TurnWatch(plan, prof.monitor, self.host, self.rate, self._finished))
+
+    @staticmethod
+    def _budget(body: dict[str, Any], prof: profiles.Profile, klass: profiles.Klass) -> int | None:
+        asked = body.pop("thinking_budget", None)
+        if asked is not None:
+            if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
+                raise FieldError("thinking_budget", "must be a non-negative integer (reasoning tokens)")
+            return asked
+        effort = body.get("reasoning_effort")
+        if effort is not None:
+            if effort not in prof.efforts:
+                raise FieldError("reasoning_effort", f"must be one of {', '.join(prof.efforts)}")
+            return prof.efforts[effort]
+        return klass.thinking_budget
+
+    def _side_turn(self, body: dict[str, Any], messages: list[Any], prof: profiles.Profile, prof_by: str,
+                   shape: profiles.SideShape, t0: float) -> Turn:
+        capped = False
+        for key in ("max_tokens", "max_completion_tokens"):
+            if body.get(key) is not None:
+                body[key] = min(int(body[key]), shape.max_tokens)
+                capped = True
+        if not capped:
+            body["max_tokens"] = shape.max_tokens
+        body["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}), "enable_thinking": False}
+        body["messages"] = messages
+        with self._lock:
+            self.side_requests += 1
+        self.journal.write({"ts": round(time.time(), 3), "endpoint": "chat", "profile": prof.name,
+                            "profile_by": prof_by, "side": shape.name,
+                            "plan_ms": round((time.perf_counter() - t0) * 1e3, 3)})
+        return Turn(body, self.model_name)
+
+    # -- after the generation --------------------------------------------------------------------------
+
+    def rate(self) -> float | None:
+        return self._rate
+
+    def _finished(self, watch: TurnWatch, gen: Any, outcome: Any) -> None:
+        pre = outcome.prefill
+        tokens = (pre.total - pre.start) if pre is not None else watch.prefill_tokens
+        if outcome.t_first is not None and tokens >= 16:
+            dt = outcome.t_first - watch.t_prefill
+            if dt > 0:
+                r = tokens / dt
+                with self._lock:
+                    self._rate = r if self._rate is None else 0.7 * self._rate + 0.3 * r
+        stored = 0
+        if watch.memory is not None and watch.memory.blocks and self.notes is not None:
+            for block in watch.memory.blocks:
+                self.notes.add(watch.plan.session or None, watch.plan.profile, block)
+                stored += 1
+        with self._lock:
+            self.memory_notes += stored
+            self.actions.update(watch.actions)
+        p = watch.plan
+        self.journal.write({
+            "ts": round(time.time(), 3), "request_id": gen.job.rid, "endpoint": "chat", "profile": p.profile,
+            "profile_by": p.profile_by, "class": p.klass, "class_by": p.class_by, "note_id": p.note_id,
+            "session": p.session or None, "classifier_ms": None if p.classifier_ms is None else round(p.classifier_ms, 3),
+            "plan_ms": round(p.plan_ms, 3), "actions": list(watch.actions), "prompt_tokens": outcome.prompt_tokens,
+            "completion_tokens": outcome.completion_tokens, "hidden_tokens": gen.hidden,
+            "reasoning_tokens": outcome.reasoning_tokens, "finish": outcome.finish,
+            "prefill_start": pre.start if pre is not None else None, "prefill_tokens": tokens,
+            "ttft_s": None if outcome.t_first is None else round(outcome.t_first - gen.job.t_arrival, 4),
+            "decode_tps": None if outcome.decode_rate is None else round(outcome.decode_rate, 2),
+            "memory_notes": stored, "tool_calls": watch.calls_out,
+        })
+
+    # -- the books -------------------------------------------------------------------------------------
+
+    def metric_lines(self) -> list[str]:
+        with self._lock:
+            lines = ["# HELP tandem_conductor_classifier_calls_total Classifier requests run (hidden).",
+                     "# TYPE tandem_conductor_classifier_calls_total counter",
+                     f"tandem_conductor_classifier_calls_total {self.classifier_calls}",
+                     "# HELP tandem_conductor_side_requests_total Side requests recognised by their shape.",
+                     "# TYPE tandem_conductor_side_requests_total counter",
+                     f"tandem_conductor_side_requests_total {self.side_requests}",
+                     "# HELP tandem_conductor_turns_total Turns planned, by profile and class.",
+                     "# TYPE tandem_conductor_turns_total counter"]
+            lines += [f'tandem_conductor_turns_total{{profile="{p}",class="{k}"}} {n}'
+                      for (p, k), n in sorted(self.turns.items())]
+            lines += ["# HELP tandem_conductor_monitor_actions_total What the session monitor did.",
+                      "# TYPE tandem_conductor_monitor_actions_total counter"]
+            lines += [f'tandem_conductor_monitor_actions_total{{action="{a}"}} {n}'
+                      for a, n in sorted(self.actions.items())]
+            lines += ["# HELP tandem_conductor_memory_notes_total Memory notes written to the notes store.",
+                      "# TYPE tandem_conductor_memory_notes_total counter",
+                      f"tandem_conductor_memory_notes_total {self.memory_notes}"]
+            return lines
+
+    def health(self) -> dict[str, Any]:
+        return {"enabled": True, "model_name": self.model_name, "profiles": sorted(self.config.profiles),
+                "default_profile": self.config.default_profile, "sessions": len(self.sessions),
+                "classifier_calls": self.classifier_calls, "side_requests": self.side_requests,
+                "prefill_rate": self._rate}
+
+    def close(self) -> None:
+        self.journal.close()
+        if self.notes is not None:
+            self.notes.close()
+
+
+def _canon_args(args: Any) -> str:
+    import json
+
+    if isinstance(args, str):
+        try:
+            return json.dumps(json.loads(args), sort_keys=True)
+        except ValueError:
+            return args
+    return json.dumps(args, sort_keys=True)
