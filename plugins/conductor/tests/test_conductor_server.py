@@ -340,7 +340,7 @@ def test_the_journal_holds_no_text(server):
 
     lines = [json.loads(ln) for ln in (server.root / "journal.jsonl").read_text().splitlines()]
     assert lines
-    words = ["weather", "Paris", "sunny", "hello", "NOTE-MARKER", "wheel", "tea", "Hello there", "Budget"]
+    words = ["weather", "Paris", "sunny", "hello", "NOTE-MARKER", "wheel", "likes tea", "Hello there", "Budget answer"]
     for ln in lines:
         assert set(ln) <= JOURNAL_FIELDS
         flat = json.dumps(ln)
