@@ -205,6 +205,26 @@ def test_the_classifier_answers_a_class_name_and_a_tool_result_turn_keeps_it(ser
     assert j[turn2.id]["class"] == j[first.id]["class"] and j[turn2.id]["class_by"] == "session"
     assert j[turn2.id]["note_id"] == j[first.id]["note_id"] != ""
     assert turn2.choices[0].message.content == "It is sunny."
+    # the classifier's requests are nobody's usage: no ledger row, while every client request has one
+    rows = sqlite3.connect(str(server.ledger)).execute("SELECT request_id, endpoint FROM usage").fetchall()
+    assert {r.id for r in [*firsts, turn2]} <= {rid for rid, _ in rows}
+    assert all(endpoint == "chat" for _, endpoint in rows)
+
+
+def test_a_session_header_keeps_the_class_when_the_prefix_changed(server):
+    c = client(server, **{"X-Tandem-Session": "s-42"})
+    before = metric(server, "tandem_conductor_classifier_calls_total")
+    r1 = ask(c, "[[weather]] header session", tools=[WEATHER])
+    call = r1.choices[0].message.tool_calls[0]
+    # the client rewrote its first message (the prefix no longer matches): the header still names the session
+    r2 = c.chat.completions.create(model="TandemLLM", tools=[WEATHER], messages=[
+        {"role": "user", "content": "[[weather]] header session, edited"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "[[after-tool]]"}])
+    assert metric(server, "tandem_conductor_classifier_calls_total") == before + 1
+    j = journal(server)
+    assert j[r2.id]["class_by"] == "header" and j[r2.id]["class"] == j[r1.id]["class"]
+    assert j[r2.id]["session"] == "s-42"
 
 
 def test_the_note_is_hidden_and_replayed_on_the_next_turn(server):
