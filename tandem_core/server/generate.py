@@ -191,7 +191,9 @@ def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], No
                         emit(delta)
                 else:
                     watched(delta)
-                    if chunk.finish == FINISH_STOP and not gen.stopped and watch.at_end(gen):
+                    at_end_token = (chunk.finish == FINISH_STOP and bool(chunk.tokens)
+                                    and chunk.tokens[-1] in req.stop_ids)   # not a stop string, not a grammar
+                    if at_end_token and not gen.stopped and watch.at_end(gen):
                         continue                # the end token's safe point: the watch made the turn go on
                     if ending or gen.stopped:
                         if reader is not None:
