@@ -226,12 +226,52 @@ class ConductorHost:
         return "".join(text)
 
 
-async def run_hidden(state: "ServerState", job: "Job", emit: Callable[[Delta], None]) -> "Outcome":
+    async def write(self, messages: list[dict[str, Any]], *, max_tokens: int = 128) -> str | None:
+        """The served model's free answer to ``messages`` (thinking off, greedy), only on an idle engine: None
+        when an engine is busy or a request waits. A request that comes meanwhile stops it at the next step
+        (it never waits for this). Hidden like ``ask``."""
+        from tandem_core.server.prepare import prepare_chat
+
+        state = self._state
+        if not state.admission.free or state.admission.waiting:
+            return None
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "chat_template_kwargs": {"enable_thinking": False}}
+
+        def build() -> "Job":
+            job = prepare_chat(body, state.served, state.max_context, state.grammars)
+            job.endpoint, job.parse, job.stream = "conductor", None, False
+            return job
+
+        job = await asyncio.to_thread(build)
+        if not state.admission.free or state.admission.waiting:
+            return None
+        cancel = threading.Event()
+
+        async def yield_to_requests() -> None:
+            while not cancel.is_set():
+                if state.admission.waiting:
+                    cancel.set()
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.get_running_loop().create_task(yield_to_requests())
+        text: list[str] = []
+        try:
+            out = await run_hidden(state, job, lambda d: text.append(d.content), cancel)
+        finally:
+            cancel.set()
+            await watcher
+        return "".join(text) if out.finish in ("stop", "length") else None
+
+
+async def run_hidden(state: "ServerState", job: "Job", emit: Callable[[Delta], None],
+                     cancel: threading.Event | None = None) -> "Outcome":
     """Run ``job`` on an engine without touching its session: inside a running generation (its side lane) when
     every engine is busy, else on a free engine with its sequence parked and given back byte for byte."""
     from tandem_core.server.generate import run_job
     from tandem_core.server.sidelane import SideJob, SideLane, is_short
 
+    cancel = cancel if cancel is not None else threading.Event()
     if is_short(job) and not state.admission.free and state.side_room():
         fut, _ = state.side(job, emit)
         return await fut
@@ -247,11 +287,11 @@ async def run_hidden(state: "ServerState", job: "Job", emit: Callable[[Delta], N
 
     def work() -> None:
         if caches is None or not slot.engine.caps.resume:
-            result.append(run_job(slot.engine, job, state.served, emit, threading.Event()))
+            result.append(run_job(slot.engine, job, state.served, emit, cancel))
             return
         lane = SideLane(state.served, 1, state.caches.gate if state.caches is not None else None)
         lane.open = True
-        lane.offer(SideJob(job, emit, result.append))
+        lane.offer(SideJob(job, emit, result.append, cancel))
         with caches.busy:
             lane.serve(slot.engine)
 

@@ -22,12 +22,13 @@ Each turn leaves one journal line (``journal``), never text.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -37,7 +38,7 @@ from tandem_core.server.prepare import ModelNotServed
 
 from tandem_conductor import profile as profiles
 from tandem_conductor.journal import Journal, NotesStore
-from tandem_conductor.monitor import MEMORY_CLOSE, MEMORY_OPEN, Plan, TurnWatch
+from tandem_conductor.monitor import MEMORY_CLOSE, MEMORY_OPEN, MemoryCutter, Plan, TurnWatch
 from tandem_conductor.sessions import Remembered, Sessions, prefix_keys, strip_status, text_of
 
 __all__ = ["Conductor", "CLASSIFIER_PROMPT"]
@@ -47,6 +48,9 @@ log = logging.getLogger("tandem.conductor")
 CLASSIFIER_PROMPT = ("You route requests sent to a coding assistant. The classes:\n{classes}\n"
                      "Answer with the name of the class that fits the user's request best.")
 CLASSIFIER_CHARS = 2000     # of the user's message the classifier reads (a short request: the side lane)
+WRITER_PROMPT = (f"Write the facts from this conversation worth remembering in later sessions, each inside "
+                 f"{MEMORY_OPEN}...{MEMORY_CLOSE}. Write nothing else.")
+WRITER_CHARS = 6000         # of a quiet session's conversation the writer reads (its end)
 MEMORY_SENTENCE = (f"To keep a fact for later sessions, write it inside {MEMORY_OPEN}...{MEMORY_CLOSE}; "
                    f"the user does not see that block.")
 
@@ -66,7 +70,8 @@ class Conductor:
         self.sessions = Sessions()
         self.journal = Journal(self.config.journal)
         store = self.config.notes_store
-        if store is None and any(p.memory_notes for p in self.config.profiles.values()):
+        if store is None and any(p.memory_notes or p.writer_quiet_s is not None
+                                 for p in self.config.profiles.values()):
             store = Path(os.environ.get("TANDEM_HOME") or "~/.tandem").expanduser() / "conductor" / "notes.sqlite"
         self.notes = NotesStore(store) if store is not None else None
         self.classifier_calls = 0
@@ -76,6 +81,10 @@ class Conductor:
         self.memory_notes = 0
         self._rate: float | None = None       # measured prefill tokens/s (moving average)
         self._lock = threading.Lock()
+        # the background writer: sessions of profiles with memory_writer, by key -> (last turn, profile, messages)
+        self._quiet: OrderedDict[str, tuple[float, str, list[Any]]] = OrderedDict()
+        self._writer: asyncio.Task[None] | None = None
+        self.writer_runs = 0
 
     @classmethod
     def check(cls, path: Path) -> None:
@@ -210,9 +219,73 @@ class Conductor:
                     session=session[:64], budget=budget, status_lines=prof.status_lines,
                     memory_notes=prof.memory_notes, classifier_ms=classifier_ms,
                     plan_ms=(time.perf_counter() - t0) * 1e3, history_calls=history)
+        if body.get("tools"):
+            plan.transcript = {
+                "messages": len(messages),
+                "tool_calls": [[name, len(args)] for name, args in history],
+                "tool_results": [len(text_of(m.get("content"))) for m in messages if m.get("role") == "tool"]}
         with self._lock:
             self.turns[(prof.name, klass)] += 1
+        if prof.writer_quiet_s is not None and (session or last_user is not None):
+            self._touch(session or keys[last_user or 0], prof.name, messages)
         return Turn(body, self.model_name, TurnWatch(plan, prof.monitor, self.host, self.rate, self._finished))
+
+    # -- the background writer -------------------------------------------------------------------------
+
+    def _touch(self, key: str, profile: str, messages: list[Any]) -> None:
+        """A turn of a session whose facts the writer keeps: it is quiet again from now."""
+        self._quiet[key] = (time.monotonic(), profile, messages)
+        self._quiet.move_to_end(key)
+        while len(self._quiet) > 256:
+            self._quiet.popitem(last=False)
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_quiet())
+
+    async def _write_quiet(self) -> None:
+        """Every tick: each session quiet for its profile's ``quiet_s`` gets its facts written as notes, on an idle
+        engine only (``host.write`` gives up when a request comes); a session that speaks again waits again."""
+        quiet = [p.writer_quiet_s for p in self.config.profiles.values() if p.writer_quiet_s is not None]
+        tick = min(5.0, max(0.1, min(quiet) / 4))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for key, (t, pname, messages) in list(self._quiet.items()):
+                prof = self.config.profiles[pname]
+                if prof.writer_quiet_s is None or now - t < prof.writer_quiet_s:
+                    continue
+                try:
+                    await self._write_session(key, t, prof, messages)
+                except Exception as exc:  # the writer never stops the server; the log names the failure
+                    log.warning("conductor: memory writer failed: %s", type(exc).__name__)
+                    self._quiet.pop(key, None)
+
+    async def _write_session(self, key: str, t: float, prof: profiles.Profile, messages: list[Any]) -> None:
+        lines = []
+        for m in messages:
+            for c in m.get("tool_calls") or []:
+                fn = c.get("function") or {}
+                lines.append(f"assistant called {fn.get('name')}({fn.get('arguments')})")
+            text = text_of(m.get("content"))
+            if text:
+                lines.append(f"{m.get('role')}: {text}")
+        talk = "\n".join(lines)[-WRITER_CHARS:]
+        out = await self.host.write([{"role": "system", "content": WRITER_PROMPT}, {"role": "user", "content": talk}],
+                                    max_tokens=prof.writer_tokens)
+        if out is None:
+            return                      # busy: tried again at the next tick
+        if self._quiet.get(key, (None,))[0] == t:
+            self._quiet.pop(key)
+        cut = MemoryCutter()
+        cut.feed(out)
+        cut.flush()
+        if self.notes is not None:
+            for block in cut.blocks:
+                self.notes.add(key, prof.name, block)
+        with self._lock:
+            self.writer_runs += 1
+            self.memory_notes += len(cut.blocks)
+        self.journal.write({"ts": round(time.time(), 3), "profile": prof.name, "session": key[:64],
+                            "actions": ["quiet_writer"], "memory_notes": len(cut.blocks)})
 
     @staticmethod
     def _budget(body: dict[str, Any], prof: profiles.Profile, klass: profiles.Klass) -> int | None:
@@ -280,6 +353,8 @@ class Conductor:
             "ttft_s": None if outcome.t_first is None else round(outcome.t_first - gen.job.t_arrival, 4),
             "decode_tps": None if outcome.decode_rate is None else round(outcome.decode_rate, 2),
             "memory_notes": stored, "tool_calls": watch.calls_out,
+            "transcript": None if p.transcript is None else {**p.transcript,
+                                                              "answer_calls": [n for n, _ in watch.sent_calls]},
         })
 
     # -- the books -------------------------------------------------------------------------------------
@@ -312,6 +387,8 @@ class Conductor:
                 "prefill_rate": self._rate}
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
         self.journal.close()
         if self.notes is not None:
             self.notes.close()

@@ -20,7 +20,7 @@ __all__ = ["Journal", "NotesStore", "JOURNAL_FIELDS"]
 JOURNAL_FIELDS = {"ts", "request_id", "endpoint", "profile", "profile_by", "class", "class_by", "note_id",
                   "side", "session", "classifier_ms", "actions", "prompt_tokens", "completion_tokens",
                   "hidden_tokens", "reasoning_tokens", "finish", "prefill_start", "prefill_tokens", "ttft_s",
-                  "decode_tps", "plan_ms", "memory_notes", "status_lines", "tool_calls"}
+                  "decode_tps", "plan_ms", "memory_notes", "status_lines", "tool_calls", "transcript"}
 
 
 class Journal:

@@ -56,6 +56,7 @@ class Plan:
     classifier_ms: float | None = None
     plan_ms: float = 0.0
     history_calls: list[tuple[str, str]] = field(default_factory=list)   # the conversation's calls, in order
+    transcript: dict[str, Any] | None = None    # a request with tools: its tool exchange in names and sizes
 
 
 def repeats_at_end(tokens: list[int], n: int, window: int) -> int:

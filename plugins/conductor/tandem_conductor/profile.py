@@ -74,6 +74,11 @@ SCHEMA: dict[str, Any] = {
                     "classifier": {"enum": ["model", "none"]},
                     "status_lines": _SWITCH,
                     "memory_notes": _SWITCH,
+                    "memory_writer": {
+                        "type": "object", "additionalProperties": False,
+                        "properties": {"quiet_s": {"type": "number", "exclusiveMinimum": 0},
+                                       "max_tokens": {"type": "integer", "minimum": 1, "maximum": 1024}},
+                    },
                     "efforts": {
                         "type": "object", "additionalProperties": False,
                         "properties": {k: {"type": "integer", "minimum": 0}
@@ -159,6 +164,8 @@ class Profile:
     status_lines: bool
     memory_notes: bool
     efforts: dict[str, int]
+    writer_quiet_s: float | None        # memory_writer: a session quiet this long gets its facts written as notes
+    writer_tokens: int
     monitor: Monitor
     side_requests: tuple[SideShape, ...]
 
@@ -305,7 +312,8 @@ def load(path: Path) -> Config:
         profiles[pname] = Profile(pname, classes, p.get("default_class", next(iter(classes))),
                                   p.get("classifier", "model"), bool(p.get("status_lines", False)),
                                   bool(p.get("memory_notes", False)), {**EFFORTS, **(p.get("efforts") or {})},
-                                  monitor, sides)
+                                  (p["memory_writer"].get("quiet_s", 120.0) if "memory_writer" in p else None),
+                                  (p.get("memory_writer") or {}).get("max_tokens", 128), monitor, sides)
     clients = tuple(ClientRule(r.get("name", r["profile"]),
                                re.compile(r["user_agent"]) if "user_agent" in r else None,
                                r.get("tools"), r.get("stream"), r["profile"]) for r in data.get("clients") or ())

@@ -12,6 +12,7 @@ import json
 import os
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,7 @@ SCHEMA = WEATHER["function"]["parameters"]
 CALL = '<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
 LETTERS = " ".join("abcdefghijklmnopqrstuvwxyz")
 SCRIPTS = [
+    {"when": "Write the facts from this conversation", "text": "<tandem_memory>The user is in Paris.</tandem_memory>"},
     {"when": "You route requests", "random": True},                     # the classifier: only its grammar helps
     {"when": "\u203a reading", "text": "STATUS LEAKED"},                # a status line that reached the prompt
     {"when": "[[after-tool]]", "text": "It is sunny."},
@@ -105,6 +107,12 @@ profiles:
   memory:
     classifier: none
     memory_notes: true
+    classes:
+      only: {}
+  writer:
+    classifier: none
+    memory_notes: true
+    memory_writer: {quiet_s: 0.5, max_tokens: 40}
     classes:
       only: {}
 """
@@ -355,12 +363,31 @@ def test_a_memory_block_goes_to_the_notes_store(server):
     assert journal(server)[r.id]["memory_notes"] == 1
 
 
+def test_a_quiet_session_gets_its_facts_written_as_notes(server):
+    c = client(server, "writer", **{"X-Tandem-Session": "quiet-1"})
+    r = ask(c, "hello from the south")
+    assert r.choices[0].message.content == "Hello there!"      # the writer never touched the answer
+    db = sqlite3.connect(str(server.root / "notes.sqlite"))
+    deadline = time.monotonic() + 30
+    rows: list = []
+    while time.monotonic() < deadline and not rows:
+        time.sleep(0.2)
+        rows = db.execute("SELECT text FROM notes WHERE session = 'quiet-1'").fetchall()
+    assert rows == [("The user is in Paris.",)]
+    time.sleep(1.5)                                           # quiet sessions are written once
+    assert db.execute("SELECT COUNT(*) FROM notes WHERE session = 'quiet-1'").fetchone()[0] == 1
+    lines = [json.loads(ln) for ln in (server.root / "journal.jsonl").read_text().splitlines()]
+    assert [ln for ln in lines if ln.get("actions") == ["quiet_writer"] and ln.get("session") == "quiet-1"]
+    # and a request after it is answered as before (the session's engine state came back)
+    assert ask(c, "hello again").choices[0].message.content == "Hello there!"
+
+
 def test_the_journal_holds_no_text(server):
     from tandem_conductor.journal import JOURNAL_FIELDS
 
     lines = [json.loads(ln) for ln in (server.root / "journal.jsonl").read_text().splitlines()]
     assert lines
-    words = ["weather", "Paris", "sunny", "hello", "NOTE-MARKER", "wheel", "likes tea", "Hello there", "Budget answer"]
+    words = ["[[weather]]", "question 0", "Paris", "sunny", "hello", "NOTE-MARKER", "wheel", "likes tea", "Hello there", "Budget answer"]
     for ln in lines:
         assert set(ln) <= JOURNAL_FIELDS
         flat = json.dumps(ln)
