@@ -39,7 +39,8 @@ CALL = '<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call
 LETTERS = " ".join("abcdefghijklmnopqrstuvwxyz")
 SCRIPTS = [
     {"when": "Write the facts from this conversation", "text": "<tandem_memory>The user is in Paris.</tandem_memory>"},
-    {"when": "You route requests", "random": True},                     # the classifier: only its grammar helps
+    {"when": "You route requests", "random": True},
+    {"when": "You are a title generator", "random": True, "endless": True},   # would write forever                     # the classifier: only its grammar helps
     {"when": "\u203a reading", "text": "STATUS LEAKED"},                # a status line that reached the prompt
     {"when": "[[after-tool]]", "text": "It is sunny."},
     {"when": "NOTE-MARKER-7", "text": "I saw the note."},
@@ -72,6 +73,8 @@ clients:
     profile: opencode
 profiles:
   main:
+    side_requests:
+      - {name: title, roles: [system, user, user], tools: false, stream: true, system_contains: title}
     classes:
       quick:
         description: a short question
@@ -217,6 +220,26 @@ def test_the_classifier_answers_a_class_name_and_a_tool_result_turn_keeps_it(ser
     rows = sqlite3.connect(str(server.ledger)).execute("SELECT request_id, endpoint FROM usage").fetchall()
     assert {r.id for r in [*firsts, turn2]} <= {rid for rid, _ in rows}
     assert all(endpoint == "chat" for _, endpoint in rows)
+
+
+def test_a_title_request_is_recognised_by_its_shape(server):
+    c = client(server)
+    before = metric(server, "tandem_conductor_classifier_calls_total")
+    sides = metric(server, "tandem_conductor_side_requests_total")
+    messages = [{"role": "system", "content": "You are a title generator. You output ONLY a thread title."},
+                {"role": "user", "content": "Generate a title for this conversation:"},
+                {"role": "user", "content": "[[weather]] in Paris"}]
+    usage, finish = None, None
+    for chunk in c.chat.completions.create(model="TandemLLM", messages=messages, max_tokens=32000, stream=True,
+                                           stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        finish = next((ch.finish_reason for ch in chunk.choices if ch.finish_reason), finish)
+    assert usage.completion_tokens == 64 and finish == "length"       # capped, not 32000
+    assert metric(server, "tandem_conductor_classifier_calls_total") == before       # no classifier
+    assert metric(server, "tandem_conductor_side_requests_total") == sides + 1
+    # no note: the prompt is the client's own (the same shape, not streamed, is a plain turn with a note)
+    plain = c.chat.completions.create(model="TandemLLM", messages=messages, max_tokens=4)
+    assert plain.usage.prompt_tokens > usage.prompt_tokens
 
 
 def test_a_session_header_keeps_the_class_when_the_prefix_changed(server):
