@@ -264,6 +264,8 @@ class TurnWatch(Watch):
         self.t_prefill = time.perf_counter()
         self.prefill_tokens = max(0, gen.prompt_tokens - gen.cached)
         if self.plan.status_lines:
+            if self.plan.class_by == "classifier":
+                self._status(gen, f"routed as {self.plan.klass}")
             rate = self.rate()
             left = f", about {self.prefill_tokens / rate:.0f} s left" if rate else ""
             self._status(gen, f"reading {self.prefill_tokens:,} tokens{left}")
