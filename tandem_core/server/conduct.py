@@ -355,8 +355,14 @@ class Conduct:
         self.conductor: Conductor | None = None
         self.model_name = state.served.model_id
         if path is not None:
-            cls = conductor_class(path)
-            self.conductor = cls(Path(path), ConductorHost(state))
+            try:
+                cls = conductor_class(path)
+                self.conductor = cls(Path(path), ConductorHost(state))
+            except BaseException:   # the state never starts: its background self-check and cache lock end here
+                state.spec.wait()
+                if state.caches is not None:
+                    state.caches.close()
+                raise
             self.model_name = self.conductor.model_name
 
     async def prepare(self, headers: Mapping[str, str], endpoint: str, raw: bytes,

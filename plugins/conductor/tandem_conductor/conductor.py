@@ -26,13 +26,14 @@ import asyncio
 import hashlib
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Mapping
 
-from tandem_core.server.conduct import ConductorHost, Turn
+from tandem_core.server.conduct import ConductorError, ConductorHost, Turn
 from tandem_core.server.fields import FieldError
 from tandem_core.server.prepare import ModelNotServed
 
@@ -68,12 +69,18 @@ class Conductor:
         self.host = host
         self.model_name = self.config.model_name
         self.sessions = Sessions()
-        self.journal = Journal(self.config.journal)
         store = self.config.notes_store
         if store is None and any(p.memory_notes or p.writer_quiet_s is not None
                                  for p in self.config.profiles.values()):
             store = Path(os.environ.get("TANDEM_HOME") or "~/.tandem").expanduser() / "conductor" / "notes.sqlite"
-        self.notes = NotesStore(store) if store is not None else None
+        try:
+            self.journal = Journal(self.config.journal)
+        except OSError as exc:
+            raise ConductorError(f"{path}: journal: {self.config.journal} cannot be written ({exc.strerror})") from None
+        try:
+            self.notes = NotesStore(store) if store is not None else None
+        except (OSError, sqlite3.Error) as exc:
+            raise ConductorError(f"{path}: notes_store: {store} cannot be opened ({exc})") from None
         self.classifier_calls = 0
         self.side_requests = 0
         self.turns: Counter[tuple[str, str]] = Counter()

@@ -132,3 +132,23 @@ def test_status_lines_are_stripped_and_keys_follow_the_conversation():
     k1, k2 = prefix_keys(one), prefix_keys(two)
     assert k1[1] == k2[1] and set(k2) == {1, 3} and k2[3] != k2[1]
     assert prefix_keys([{"role": "system", "content": "t"}, {"role": "user", "content": "u"}])[1] != k1[1]
+
+
+def test_a_journal_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests" / "plugins"))
+    from script_plugin import write_script_model
+
+    model = write_script_model(tmp_path / "model", [])
+    p = write(tmp_path, "journal: /proc/no-such-dir/journal.jsonl\n" + GOOD)
+    env = {**os.environ, "TANDEM_HOME": str(tmp_path / "home"), "TANDEM_DISABLE_ENTRYPOINTS": "1",
+           "TANDEM_EXTRA_PLUGINS": "script_plugin,tandem_conductor.plugin",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT / "tests" / "plugins"),
+                                          str(ROOT), str(ROOT / "plugins" / "conductor"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "tandem_core.cli.main", "serve", "--weights", str(model),
+                        "--model", "script-test", "--conductor", str(p), "--port", "0"], env=env, cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
+    assert f"{p}: journal: /proc/no-such-dir/journal.jsonl cannot be written" in last, r.stderr
