@@ -252,7 +252,8 @@ class TurnWatch(Watch):
             gen.say(Delta(content=f"\u203a {line}\n"))
 
     def _close_reasoning(self, gen: Generation, why: str) -> None:
-        gen.inject(CLOSE_THINK)
+        close = getattr(gen.served, "think_tags", ("<think>", "</think>"))[1]   # the model's own closing tag
+        gen.inject(CLOSE_THINK.replace("</think>", close))
         self.closed = True
         self.actions.append(why)
         self._status(gen, "thinking budget spent, answering" if why == "budget_closed"
