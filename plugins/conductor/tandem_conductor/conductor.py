@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -72,7 +71,9 @@ class Conductor:
         store = self.config.notes_store
         if store is None and any(p.memory_notes or p.writer_quiet_s is not None
                                  for p in self.config.profiles.values()):
-            store = Path(os.environ.get("TANDEM_HOME") or "~/.tandem").expanduser() / "conductor" / "notes.sqlite"
+            from tandem_core.catalog import home
+
+            store = home() / "conductor" / "notes.sqlite"
         try:
             self.journal = Journal(self.config.journal)
         except OSError as exc:
