@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +33,16 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from tandem_core.server.body import read_body
+from tandem_core.server.fields import FieldError
+from tandem_core.server.prepare import ModelNotServed
 from tandem_core.server.stream import Delta
 
 if TYPE_CHECKING:
     from tandem_core.server.app import ServerState
     from tandem_core.server.generate import Outcome
     from tandem_core.server.prepare import Job
+
+log = logging.getLogger("tandem.server")
 
 __all__ = ["ConductorError", "Turn", "Watch", "Generation", "Call", "Conductor", "ConductorHost", "Conduct",
            "read_profile_file", "conductor_class", "check_profile", "run_hidden"]
@@ -353,7 +358,7 @@ class Conduct:
 
     def __init__(self, state: "ServerState", path: Path | None) -> None:
         self.conductor: Conductor | None = None
-        self.model_name = state.served.model_id
+        self.served_id = self.model_name = state.served.model_id
         if path is not None:
             try:
                 cls = conductor_class(path)
@@ -371,7 +376,18 @@ class Conduct:
         if self.conductor is None:
             return await asyncio.to_thread(lambda: prepare(read_body(raw)))
         body = await asyncio.to_thread(read_body, raw)
-        turn = await self.conductor.plan(endpoint, body, headers)
+        if not isinstance(body, dict):
+            return await asyncio.to_thread(prepare, body)     # not an object: prepare refuses it, naming it
+        try:
+            turn = await self.conductor.plan(endpoint, body, headers)
+        except (FieldError, ModelNotServed):
+            raise
+        except Exception as exc:  # a conductor's failure is never a 5xx: the request as it came, unplanned
+            log.error("conductor: planning failed: %s", type(exc).__name__)
+            plain = dict(body)
+            if plain.get("model") in (None, self.model_name):
+                plain["model"] = self.served_id
+            turn = Turn(plain, self.model_name)
         job = await asyncio.to_thread(prepare, turn.body)
         job.model = turn.model
         job.watch = turn.watch

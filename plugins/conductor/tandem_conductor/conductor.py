@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 from tandem_core.server.conduct import ConductorError, ConductorHost, Turn
 from tandem_core.server.fields import FieldError
+from tandem_core.server.messages import check_messages
 from tandem_core.server.prepare import ModelNotServed
 
 from tandem_conductor import profile as profiles
@@ -176,6 +177,7 @@ class Conductor:
         messages = body.get("messages")
         if endpoint != "chat" or not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return Turn(body, self.model_name)     # prepare refuses what is malformed, naming the field
+        check_messages(messages)            # what the API refuses, refused before the conductor reads it
         prof, prof_by = self._profile(body, headers)
         messages = [{**m, "content": strip_status(m["content"])}
                     if m.get("role") == "assistant" and isinstance(m.get("content"), str) else m for m in messages]
@@ -220,9 +222,7 @@ class Conductor:
         if budget == 0:
             body["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}), "enable_thinking": False}
         body["messages"] = new
-        history = [(c.get("function", {}).get("name", ""), _canon_args(c.get("function", {}).get("arguments")))
-                   for m in messages if m.get("role") == "assistant" for c in (m.get("tool_calls") or [])
-                   if isinstance(c, dict)]
+        history = [(str(fn.get("name", "")), _canon_args(fn.get("arguments"))) for fn in _calls_of(messages)]
         plan = Plan(profile=prof.name, profile_by=prof_by, klass=klass, class_by=class_by, note_id=note_id,
                     session=session[:64], budget=budget, status_lines=prof.status_lines,
                     memory_notes=prof.memory_notes, classifier_ms=classifier_ms,
@@ -270,8 +270,7 @@ class Conductor:
     async def _write_session(self, key: str, t: float, prof: profiles.Profile, messages: list[Any]) -> None:
         lines = []
         for m in messages:
-            for c in m.get("tool_calls") or []:
-                fn = c.get("function") or {}
+            for fn in _calls_of([m]):
                 lines.append(f"assistant called {fn.get('name')}({fn.get('arguments')})")
             text = text_of(m.get("content"))
             if text:
@@ -400,6 +399,18 @@ class Conductor:
         self.journal.close()
         if self.notes is not None:
             self.notes.close()
+
+
+def _calls_of(messages: list[Any]) -> list[dict[str, Any]]:
+    """The ``function`` records of the assistants' calls, in order (what is not one is left to prepare to refuse)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        for c in calls if isinstance(calls, list) else ():
+            fn = c.get("function") if isinstance(c, dict) else None
+            if isinstance(fn, dict):
+                out.append(fn)
+    return out
 
 
 def _canon_args(args: Any) -> str:

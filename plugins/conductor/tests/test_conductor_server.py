@@ -415,3 +415,49 @@ def test_the_journal_holds_no_text(server):
         assert set(ln) <= JOURNAL_FIELDS
         flat = json.dumps(ln)
         assert not any(w.lower() in flat.lower() for w in words), flat
+
+
+# -- hostile input: never a 5xx through the conductor ----------------------------------------------------
+
+CONDUCTOR_HOSTILE = [
+    {"messages": [{"role": "user", "content": "hi"}], "thinking_budget": "lots"},
+    {"messages": [{"role": "user", "content": "hi"}], "thinking_budget": -1},
+    {"messages": [{"role": "user", "content": "hi"}], "thinking_budget": True},
+    {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max"},
+    {"messages": [{"role": "user", "content": 7}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, 3]}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                                      "tool_calls": [{"function": [1]}]}, {"role": "tool"}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5, "tool_calls": "x"}]},
+    {"messages": "hi"},
+    {"messages": [None, {"role": "user", "content": "hi"}]},
+    {"model": "other", "messages": [{"role": "user", "content": "hi"}]},
+]
+
+
+@pytest.mark.parametrize("profile", [None, "monitor", "status"])
+def test_hostile_and_generated_bodies_never_get_a_server_error(server, profile):
+    from fuzzing import HOSTILE, bodies, check
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    headers = {"X-Tandem-Profile": profile} if profile else {}
+    with httpx.Client(base_url=server.url, timeout=60, headers=headers) as h:
+        for body in [*HOSTILE["chat"], *(json.dumps(b).encode() for b in CONDUCTOR_HOSTILE)]:
+            r = h.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            check(r.status_code, r.headers, r.content)
+            assert r.status_code in (400, 404), (body[:80], r.text)
+        statuses: dict[int, int] = {}
+
+        @settings(max_examples=120, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck), phases=(Phase.generate,))
+        @given(body=bodies("chat"))
+        def run(body: bytes) -> None:
+            r = h.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            check(r.status_code, r.headers, r.content)
+
+        run()
+        assert max(statuses) < 500 and statuses.get(200, 0) >= 5, statuses
+    assert ask(client(server, profile), "hi").choices[0].message.content
+    failed = [ln for ln in server.log_text().splitlines() if "planning failed" in ln]
+    assert not failed, failed[:3]       # the conductor refused or passed on every body, never crashed on one
