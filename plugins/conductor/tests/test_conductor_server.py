@@ -448,7 +448,7 @@ def test_hostile_and_generated_bodies_never_get_a_server_error(server, profile):
             assert r.status_code in (400, 404), (body[:80], r.text)
         statuses: dict[int, int] = {}
 
-        @settings(max_examples=120, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=60, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck), phases=(Phase.generate,))
         @given(body=bodies("chat"))
         def run(body: bytes) -> None:
