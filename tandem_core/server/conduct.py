@@ -152,23 +152,32 @@ class Generation:
             self._emit(delta)
 
     def inject(self, text: str) -> int:
-        """Put ``text`` into the sequence as hidden tokens (the parser reads it; the client never sees it)."""
+        """Put ``text`` into the sequence as hidden tokens (the parser reads it; the client never sees it); the
+        tokens put in (0: no room left before ``max_tokens``)."""
         ids = self.served.tokenizer.encode(text)
+        if len(self.dec.generated) + len(ids) >= self.dec.req.max_tokens:
+            return 0                     # no room left in the answer (nor, so, in the context)
         self.dec.inject(ids)
         self.hidden += len(ids)
         if self.parser is not None:
             self.parser.feed(text)       # the parser's state follows (a closed reasoning block); nothing goes out
         return len(ids)
 
-    def go_on(self, text: str) -> None:
-        """At the end token: drop it, put ``text`` in (hidden) and draw on, never the end token next."""
+    def go_on(self, text: str) -> bool:
+        """At the end token: drop it, put ``text`` in (hidden) and draw on, never the end token next. False
+        (nothing done) when the answer has no room left for it."""
         dec = self.dec
-        if dec.generated and dec.generated[-1] in dec.req.stop_ids:
+        ended = bool(dec.generated) and dec.generated[-1] in dec.req.stop_ids
+        need = len(self.served.tokenizer.encode(text)) if text else 0
+        if len(dec.generated) - ended + need + 1 >= dec.req.max_tokens:
+            return False
+        if ended:
             dec.generated.pop()
         dec.finish = None
         if text:
             self.inject(text)
         dec.constraint = _BanOnce(dec, sorted(dec.req.stop_ids))
+        return True
 
     def constrain(self, constraint: Any) -> None:
         """From the next token on, the output follows ``constraint`` (``Grammars.constraint(lark)``)."""

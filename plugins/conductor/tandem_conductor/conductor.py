@@ -220,7 +220,7 @@ class Conductor:
                     klass, class_by = prof.default_class, "default"
         budget = self._budget(body, prof, prof.classes[klass])
         if budget == 0:
-            body["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}), "enable_thinking": False}
+            _thinking_off(body)
         body["messages"] = new
         history = [(str(fn.get("name", "")), _canon_args(fn.get("arguments"))) for fn in _calls_of(messages)]
         plan = Plan(profile=prof.name, profile_by=prof_by, klass=klass, class_by=class_by, note_id=note_id,
@@ -303,7 +303,7 @@ class Conductor:
             return asked
         effort = body.get("reasoning_effort")
         if effort is not None:
-            if effort not in prof.efforts:
+            if not isinstance(effort, str) or effort not in prof.efforts:
                 raise FieldError("reasoning_effort", f"must be one of {', '.join(prof.efforts)}")
             return prof.efforts[effort]
         return klass.thinking_budget
@@ -312,12 +312,14 @@ class Conductor:
                    shape: profiles.SideShape, t0: float) -> Turn:
         capped = False
         for key in ("max_tokens", "max_completion_tokens"):
-            if body.get(key) is not None:
-                body[key] = min(int(body[key]), shape.max_tokens)
+            value = body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):     # anything else: prepare refuses it
+                body[key] = min(value, shape.max_tokens)
+            if value is not None:
                 capped = True
         if not capped:
             body["max_tokens"] = shape.max_tokens
-        body["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}), "enable_thinking": False}
+        _thinking_off(body)
         body["messages"] = messages
         with self._lock:
             self.side_requests += 1
@@ -399,6 +401,12 @@ class Conductor:
         self.journal.close()
         if self.notes is not None:
             self.notes.close()
+
+
+def _thinking_off(body: dict[str, Any]) -> None:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None or isinstance(kwargs, dict):      # anything else: prepare refuses it, naming it
+        body["chat_template_kwargs"] = {**(kwargs or {}), "enable_thinking": False}
 
 
 def _calls_of(messages: list[Any]) -> list[dict[str, Any]]:

@@ -244,6 +244,7 @@ class TurnWatch(Watch):
         self.prefill_tokens = 0
         self.regenerating = False
         self.regen_resumed = False
+        self.constrained = False
 
     # -- helpers ---------------------------------------------------------------------------------------
 
@@ -253,8 +254,9 @@ class TurnWatch(Watch):
 
     def _close_reasoning(self, gen: Generation, why: str) -> None:
         close = getattr(gen.served, "think_tags", ("<think>", "</think>"))[1]   # the model's own closing tag
-        gen.inject(CLOSE_THINK.replace("</think>", close))
         self.closed = True
+        if not gen.inject(CLOSE_THINK.replace("</think>", close)):
+            return                        # the answer's room is spent: it ends at max_tokens anyway
         self.actions.append(why)
         self._status(gen, "thinking budget spent, answering" if why == "budget_closed"
                      else "reasoning went in circles, answering")
@@ -262,6 +264,8 @@ class TurnWatch(Watch):
     # -- the safe points -------------------------------------------------------------------------------
 
     def before_prefill(self, gen: Generation) -> None:
+        # a grammar (response_format, a forced call) bounds the answer itself: the monitor puts nothing in
+        self.constrained = gen.job.constraint is not None
         self.t_prefill = time.perf_counter()
         self.prefill_tokens = max(0, gen.prompt_tokens - gen.cached)
         if self.plan.status_lines:
@@ -278,7 +282,7 @@ class TurnWatch(Watch):
         self.seen = len(gen.tokens)
         if delta.content or delta.tool_calls:
             self.answered = True
-        elif delta.reasoning and not self.closed:
+        elif delta.reasoning and not self.closed and not self.constrained:
             self.reasoning.extend(new)
             self.reasoning_count += len(new)
             budget = self.plan.budget
@@ -294,18 +298,20 @@ class TurnWatch(Watch):
         return delta
 
     def at_end(self, gen: Generation) -> bool:
+        if self.constrained:
+            return False
         c = gen.dec.constraint
         if self.regenerating and not self.regen_resumed and c is not None and not c.done():
             self.regen_resumed = True     # the end token came right after the malformed call: write it again
-            gen.go_on("")
-            return True
+            return gen.go_on("")
         empty = not self.content_sent.strip() and not self.calls_out and not self.answered
         if self.m.empty_turn and empty and not self.continued and not self.regenerating:
             self.continued = True
+            if not gen.go_on(self.m.empty_text):
+                return False              # no room left: the empty answer stands
             self.closed = True            # what follows is the answer
             self.actions.append("continued_empty")
             self._status(gen, "the answer was empty, going on")
-            gen.go_on(self.m.empty_text)
             return True
         return False
 
@@ -378,7 +384,7 @@ class TurnWatch(Watch):
         return Delta(content=raw)
 
     def _regenerate(self, gen: Generation, action: str) -> bool:
-        if not (self.m.regenerate and gen.tools) or self.regenerating:
+        if not (self.m.regenerate and gen.tools) or self.regenerating or self.constrained:
             return False
         grammars = self.host.grammars
         left = gen.job.decode.max_tokens - len(gen.tokens)

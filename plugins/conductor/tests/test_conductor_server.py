@@ -311,6 +311,16 @@ def test_an_empty_turn_goes_on(server):
     assert r.usage.completion_tokens == tokens("<think>nothing</think>") + tokens(msg.content) + 1
 
 
+def test_a_grammar_bounded_answer_is_left_alone(server):
+    c = client(server, "monitor")
+    r = ask(c, "[[loop]]", response_format={"type": "json_object"}, max_tokens=60, extra_body={"thinking_budget": 2})
+    json.loads(r.choices[0].message.content)                # the grammar's answer, whole
+    assert journal(server)[r.id]["actions"] == [] and journal(server)[r.id]["hidden_tokens"] == 0
+    # an answer with no room left for the hidden text: the budget cannot close it, it ends at max_tokens
+    short = ask(c, "[[think-long]]", max_tokens=8, extra_body={"thinking_budget": 2})
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 8
+
+
 @pytest.mark.parametrize("marker,action", [("[[coerce]]", "repaired_call"), ("[[broken]]", "repaired_call"),
                                            ("[[regen]]", "regenerated_call")])
 def test_a_malformed_tool_call_is_repaired_or_regenerated(server, marker, action):
