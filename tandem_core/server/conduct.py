@@ -30,15 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
-import torch
-
 from tandem_core.server.body import read_body
 from tandem_core.server.fields import FieldError
-from tandem_core.server.prepare import ModelNotServed
 from tandem_core.server.stream import Delta
 
+# light at import (no torch): ``tandem serve`` checks a profile file through this module before anything loads
 if TYPE_CHECKING:
-    from tandem_core.server.app import ServerState
+    import torch
+
+    from tandem_core.server.state import ServerState
     from tandem_core.server.generate import Outcome
     from tandem_core.server.prepare import Job
 
@@ -105,7 +105,9 @@ class _BanOnce:
     def __init__(self, dec: Any, banned: Sequence[int]) -> None:
         self.dec, self.inner, self.banned = dec, dec.constraint, list(banned)
 
-    def allowed(self, vocab: int) -> torch.Tensor:
+    def allowed(self, vocab: int) -> "torch.Tensor":
+        import torch
+
         base = self.inner.allowed(vocab) if self.inner is not None else None
         mask = torch.ones(vocab, dtype=torch.bool) if base is None else base.clone()
         mask[[b for b in self.banned if 0 <= b < vocab]] = False
@@ -384,6 +386,8 @@ class Conduct:
         """The request's ``Job``: planned by the conductor (when there is one), then prepared."""
         if self.conductor is None:
             return await asyncio.to_thread(lambda: prepare(read_body(raw)))
+        from tandem_core.server.prepare import ModelNotServed
+
         body = await asyncio.to_thread(read_body, raw)
         if not isinstance(body, dict):
             return await asyncio.to_thread(prepare, body)     # not an object: prepare refuses it, naming it

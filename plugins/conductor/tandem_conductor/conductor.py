@@ -35,7 +35,6 @@ from typing import Any, Mapping
 from tandem_core.server.conduct import ConductorError, ConductorHost, Turn
 from tandem_core.server.fields import FieldError
 from tandem_core.server.messages import check_messages
-from tandem_core.server.prepare import ModelNotServed
 
 from tandem_conductor import profile as profiles
 from tandem_conductor.journal import Journal, NotesStore
@@ -168,6 +167,8 @@ class Conductor:
         return answer, "classifier", ms
 
     async def plan(self, endpoint: str, body: dict[str, Any], headers: Mapping[str, str]) -> Turn:
+        from tandem_core.server.prepare import ModelNotServed    # (torch: not at import, for check)
+
         t0 = time.perf_counter()
         body = dict(body)
         model = body.get("model")
