@@ -55,6 +55,7 @@ class Capabilities:
     prefill_chunk: int = 0      # rows a long forward runs at a time, counted from the call's first token;
                                 # forwards split at multiples of it give the same bits (0: not said)
     graph_widths: tuple[int, ...] = ()  # verify widths captured as CUDA graphs (decode is width 1); (): eager
+    hidden_size: int = 0        # the width of the hidden rows (a drafter's taps); 0: not said
 
 
 def source_files(*things: Any) -> set[str]:
