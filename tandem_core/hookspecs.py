@@ -49,3 +49,9 @@ def tandem_settings(register):
 @hookspec
 def tandem_model_entries(register):
     """Register folders holding ``models/<id>/model.yaml`` entries: ``register(path)``."""
+
+
+@hookspec
+def tandem_conductors(register):
+    """Register conductors (``tandem serve --conductor PATH``): ``register(name, "module:Class")``; the class is
+    built as ``Class(path, host)`` and implements ``tandem_core.server.conduct.Conductor``."""

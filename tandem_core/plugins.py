@@ -41,6 +41,7 @@ DEFAULT_PLUGINS = (
 HOOKS = (
     "tandem_architectures", "tandem_weight_formats", "tandem_drafters", "tandem_tool_formats",
     "tandem_cache_tiers", "tandem_cli_commands", "tandem_settings", "tandem_model_entries",
+    "tandem_conductors",
 )
 
 
@@ -66,6 +67,7 @@ class Registries:
     drafters: dict[str, str] = field(default_factory=dict)
     tool_formats: dict[str, str] = field(default_factory=dict)
     cache_tiers: dict[str, str] = field(default_factory=dict)
+    conductors: dict[str, str] = field(default_factory=dict)
     cli_commands: dict[str, tuple] = field(default_factory=dict)
     model_entries: list[str] = field(default_factory=list)
     owners: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -199,6 +201,7 @@ def _collect() -> Registries:
     keyed("tandem_drafters", "drafter", reg.drafters)
     keyed("tandem_tool_formats", "tool_format", reg.tool_formats)
     keyed("tandem_cache_tiers", "cache_tier", reg.cache_tiers)
+    keyed("tandem_conductors", "conductor", reg.conductors)
     for owner, fn in each("tandem_cli_commands"):
         def register_cmd(name: str, help: str, configure: Callable, run: Callable, _owner: str = owner) -> None:
             if name in reg.cli_commands:

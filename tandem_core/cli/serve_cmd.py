@@ -58,6 +58,9 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
                    help="the most memory the process may use at its peak (e.g. 24G, 22.5GiB; default: "
                         "$TANDEM_MEM_PEAK, or measured from the device): the memory gate refuses a prompt "
                         "whose prefill would pass it")
+    p.add_argument("--conductor", metavar="PATH",
+                   help="a conductor profile file (YAML): the server then serves the model name TandemLLM, "
+                        "with profiles, a router, hidden notes and a session monitor (pip install tandem-conductor)")
 
 
 class _Bar:
@@ -158,6 +161,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CliError(f"--mem-peak: {exc}") from exc
     model_id, _ = resolve(args.model, args.weights)
     args.backends_config = _backends(args.backends, model_id)
+    if args.conductor:
+        from tandem_core.server.conduct import ConductorError, check_profile
+
+        try:
+            check_profile(Path(args.conductor).expanduser())
+        except ConductorError as exc:
+            raise LoadFailed(str(exc)) from None
     sock = _bind(args.host, args.port)
     lock = None
     try:
@@ -181,6 +191,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
     from tandem_core.cli.load import load, placement
     from tandem_core.server.app import ParallelUnavailable, ServerOptions, ServerState, build_app
     from tandem_core.server.caches import CacheOptions
+    from tandem_core.server.conduct import ConductorError
     from tandem_core.server.ledger import default_path
     from tandem_core.server.speculation import SpecOptions
     from tandem_core.server.toolformat import UnknownToolFormat
@@ -203,11 +214,14 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
                             caches=None if lock is None else CacheOptions(directory=directory, mem_peak=mem_peak,
                                                                           lock=lock),
                             spec=SpecOptions(drafters=_drafters(args.spec), max_tree=args.max_tree),
-                            backends=getattr(args, "backends_config", None))
+                            backends=getattr(args, "backends_config", None),
+                            conductor=Path(args.conductor).expanduser() if args.conductor else None)
     try:
         state = ServerState(served, options)
     except ParallelUnavailable as exc:
         raise CliError(str(exc)) from exc
+    except ConductorError as exc:
+        raise LoadFailed(str(exc)) from None
     except UnknownToolFormat as exc:     # the model's plugin names a format no installed plugin registered
         raise LoadFailed(str(exc)) from exc
     from tandem_core.serving import host_memory

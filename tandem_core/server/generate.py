@@ -80,18 +80,30 @@ class _Reader:
                                    keep_malformed=not spec.forced, think_tags=spec.think_tags)
         self.rid = job.rid
         self.calls_ended = 0
+        self.hold_malformed = job.watch is not None     # a watch gets a malformed call's text (to repair it)
+        self._raw_next = False
+        self.malformed: list[str] = []
+        self._calls: dict[int, list[str]] = {}
+        self.completed: list[Any] = []                  # conduct.Call, for the watch
 
     def read(self, events: list[Any], delta: Delta) -> None:
         from tandem_core.server import parse as p
 
         for ev in events:
-            if isinstance(ev, p.Content):
+            if isinstance(ev, p.Content) and self._raw_next:
+                self._raw_next = False
+                self.malformed.append(ev.text)
+            elif isinstance(ev, p.Content):
                 delta.content += ev.text
             elif isinstance(ev, p.Reasoning):
                 delta.reasoning += ev.text
             elif isinstance(ev, p.ToolCallBegin):
                 delta.tool_calls.append(ToolDelta(ev.index, ev.id, ev.name, ""))
+                if self.hold_malformed:
+                    self._calls[ev.index] = [ev.id, ev.name, ""]
             elif isinstance(ev, p.ToolCallArgs):
+                if ev.index in self._calls:
+                    self._calls[ev.index][2] += ev.delta
                 if delta.tool_calls and delta.tool_calls[-1].index == ev.index:
                     last = delta.tool_calls[-1]
                     delta.tool_calls[-1] = ToolDelta(last.index, last.id, last.name, last.arguments + ev.delta)
@@ -99,8 +111,14 @@ class _Reader:
                     delta.tool_calls.append(ToolDelta(ev.index, None, None, ev.delta))
             elif isinstance(ev, p.ToolCallEnd):
                 self.calls_ended += 1
+                if ev.index in self._calls:
+                    from tandem_core.server.conduct import Call
+
+                    cid, name, args = self._calls.pop(ev.index)
+                    self.completed.append(Call(ev.index, cid, name, args))
             elif isinstance(ev, p.Malformed):
                 log.warning("req=%s malformed tool call: %s", self.rid, ev.reason)
+                self._raw_next = self.hold_malformed
 
 
 def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], None],
@@ -123,6 +141,31 @@ def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], No
     reader = _Reader(job) if job.parse is not None else None
     reasoning_tokens = 0
     finish = None
+    watch = job.watch
+    gen: Any = None
+    if watch is not None:      # the conductor's monitor: the first safe point, before the prefill
+        from tandem_core.server.conduct import Generation
+
+        gen = Generation(job, dec, served, emit, reader.parser if reader is not None else None,
+                         caches.holds(req.prompt) if caches is not None else 0)
+        watch.before_prefill(gen)
+    sent_calls = False
+
+    def send(d: Delta | None) -> None:
+        nonlocal sent_calls
+        if d is not None and not d.empty():
+            sent_calls = sent_calls or bool(d.tool_calls)
+            emit(d)
+
+    def watched(d: Delta) -> None:
+        """After a committed block: the watch rewrites what goes out, sees complete and malformed calls."""
+        send(watch.after_block(gen, d))
+        if reader is not None:
+            while reader.malformed:
+                send(watch.malformed(gen, reader.malformed.pop(0)))
+            if reader.completed:
+                calls, reader.completed = reader.completed, []
+                send(watch.calls_complete(gen, calls))
 
     def started() -> PrefillStart | None:
         return caches.last if caches is not None else PrefillStart("cold", 0, len(req.prompt))
@@ -132,9 +175,10 @@ def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], No
         try:
             for chunk in chunks:
                 delta = Delta()
+                ending = chunk.finish is not None and chunk.finish != FINISH_CANCELLED
                 if reader is not None:
                     reader.read(reader.parser.feed(chunk.text) if chunk.text else [], delta)
-                    if chunk.finish is not None and chunk.finish != FINISH_CANCELLED:
+                    if ending and gen is None:
                         reader.read(reader.parser.finish(), delta)
                     if delta.reasoning and not delta.content and not delta.tool_calls:
                         reasoning_tokens += len(chunk.tokens)
@@ -142,15 +186,34 @@ def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], No
                     delta.content = chunk.text
                 if job.logprobs:
                     delta.logprobs = token_logprobs(served.tokenizer, chunk.picks, req.stop_ids)
-                if not delta.empty():
-                    emit(delta)
+                if gen is None:
+                    if not delta.empty():
+                        emit(delta)
+                else:
+                    watched(delta)
+                    at_end_token = (chunk.finish == FINISH_STOP and bool(chunk.tokens)
+                                    and chunk.tokens[-1] in req.stop_ids)   # not a stop string, not a grammar
+                    if at_end_token and not gen.stopped and watch.at_end(gen):
+                        continue                # the end token's safe point: the watch made the turn go on
+                    if ending or gen.stopped:
+                        if reader is not None:
+                            tail = Delta()
+                            reader.read(reader.parser.finish(), tail)
+                            watched(tail)
+                        send(watch.flush(gen))
+                        if chunk.finish is None:
+                            finish = FINISH_STOP    # the watch ended the answer
+                            break
                 if chunk.finish is not None:
                     finish = chunk.finish
                 elif reader is not None and not job.parallel_tool_calls and reader.calls_ended:
                     # one call asked for, and it is complete: the answer ends here
                     tail = Delta()
                     reader.read(reader.parser.finish(), tail)
-                    if not tail.empty():
+                    if gen is not None:
+                        watched(tail)
+                        send(watch.flush(gen))
+                    elif not tail.empty():
                         emit(tail)
                     finish = FINISH_STOP
                     break
@@ -166,8 +229,15 @@ def run_job(engine: Engine, job: Job, served: Served, emit: Callable[[Delta], No
         return Outcome("error", len(req.prompt), dec.completion_tokens, reasoning_tokens, dec.t_first,
                        dec.decode_rate(), f"{type(exc).__name__}: {exc}", caches.last if caches else None)
     assert finish is not None
-    if finish == FINISH_STOP and reader is not None and reader.calls_ended:
+    if finish == FINISH_STOP and reader is not None and (sent_calls if gen is not None else reader.calls_ended):
         finish = "tool_calls"
     stats = speculative.finish_stats() if speculative is not None else None
-    return Outcome(finish, len(req.prompt), dec.completion_tokens, reasoning_tokens, dec.t_first,
-                   dec.decode_rate(), prefill=started(), spec=stats)
+    hidden = gen.hidden if gen is not None else 0     # what a watch put in is never in the usage
+    outcome = Outcome(finish, len(req.prompt), dec.completion_tokens - hidden, reasoning_tokens, dec.t_first,
+                      dec.decode_rate(), prefill=started(), spec=stats)
+    if gen is not None:
+        try:
+            watch.finished(gen, outcome)
+        except Exception as exc:  # the journal never fails a request
+            log.error("req=%s conductor: %s", job.rid, type(exc).__name__)
+    return outcome

@@ -59,6 +59,7 @@ class Job:
     constraint: GrammarConstraint | None
     parallel_tool_calls: bool
     capped_from: int | None           # the asked max_tokens, when capped to fit the context
+    watch: Any = None                 # the conductor's ``conduct.Watch`` for this generation (None: unwatched)
 
 
 def _model(body: Mapping[str, Any], served: Served) -> str:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from tandem_core.cache.gate import MemoryGateError
 from tandem_core.server.admission import Admission, Slot
 from tandem_core.server.caches import CacheOptions, ServerCaches, build_caches
+from tandem_core.server.conduct import Conduct
 from tandem_core.server.generate import Outcome, run_job
 from tandem_core.server.grammar import Grammars
 from tandem_core.server.ledger import Ledger, UsageRow
@@ -53,6 +54,7 @@ class ServerOptions:
     caches: CacheOptions | None = None  # None: no caches (every prefill cold)
     spec: SpecOptions | None = None     # None: plain decoding
     backends: Any = None                # tandem_core.proxy.Backends: relay other models there (None: none)
+    conductor: Path | None = None       # --conductor: the profile file (None: no conductor)
 
 
 def _engines(served: Served, n: int) -> list[Any]:
@@ -98,6 +100,7 @@ class ServerState:
         self.started = int(time.time())
         self.tokenizer_fingerprint = served.tokenizer.fingerprint()
         self.active: set[threading.Event] = set()
+        self.conduct = Conduct(self, options.conductor)     # turn planning and the monitor (server.conduct)
 
     def _metric_lines(self) -> list[str]:
         lines = self.spec.metric_lines()
@@ -109,7 +112,7 @@ class ServerState:
                   f"tandem_side_lane_waiting {sum(len(lane) for lane in self.lanes)}"]
         if self.caches is not None:
             lines += self.caches.metric_lines()
-        return lines + self._engine_lines()
+        return lines + self.conduct.metric_lines() + self._engine_lines()
 
     def _engine_lines(self) -> list[str]:
         """Where the engines run, their memory by part and device, and the widths captured as graphs."""
@@ -256,7 +259,7 @@ class ServerState:
                              out.decode_rate)
         if pre is not None:
             self.metrics.prefill(pre.tier, pre.start, pre.total)
-        if self.ledger is not None:
+        if self.ledger is not None and job.endpoint != "conductor":    # a conductor's hidden request: no row
             try:
                 self.ledger.write(UsageRow(
                     ts=job.ts, request_id=job.rid, model=job.model, endpoint=job.endpoint,
@@ -287,6 +290,7 @@ class ServerState:
         for ev in list(self.active):
             ev.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.conduct.close()
         if self.ledger is not None:
             self.ledger.close()
         if self.caches is not None:

@@ -261,6 +261,16 @@ class Decode:
             safe += self.stops.flush()
         return Chunk(tuple(p.token for p in picks), safe, tuple(picks), self.finish)
 
+    def inject(self, tokens: Sequence[int]) -> None:
+        """Commit ``tokens`` as if they had been drawn (a conductor's hidden text, at a safe point): the engine
+        gets them at the next step; they are never emitted (the caller knows their text)."""
+        for t in tokens:
+            self.generated.append(int(t))
+            self.sampler.accept(int(t))
+            if self.constraint is not None:
+                self.constraint.advance(int(t))
+            self.pending.append(int(t))
+
     @property
     def completion_tokens(self) -> int:
         return len(self.generated)

@@ -109,8 +109,8 @@ class SpecDecode(Decode):
                 self._indexing.join()        # the drafters are never touched by two requests at once
 
     def step(self) -> Chunk:
-        if self.constraint is not None or not self.pending:
-            return super().step()          # the first token (from the prefill's logits), or a grammar
+        if self.constraint is not None or len(self.pending) != 1:
+            return super().step()          # the first token (from the prefill's logits), a grammar, or injected text
         if not self._begun:
             if self._indexing is not None:
                 self._indexing.join()

@@ -20,7 +20,6 @@ from fastapi.responses import StreamingResponse
 
 from tandem_core.cache.gate import MemoryGateError
 from tandem_core.server.admission import QueueFull, Slot, Ticket
-from tandem_core.server.body import read_body
 from tandem_core.server.errors import error, json_response, memory_error, prompt_field
 from tandem_core.server.fields import FieldError
 from tandem_core.server.generate import Outcome
@@ -99,14 +98,13 @@ async def handle(request: Request, endpoint: str) -> Any:
     served = state.served
     raw = await request.body()
 
-    def prepare() -> Job:
-        body = read_body(raw)           # the depth limit before anything recurses into it
+    def prepare(body: Any) -> Job:      # read_body's: the depth limit before anything recurses into it
         if endpoint == "chat":
             return prepare_chat(body, served, state.max_context, state.grammars)
         return prepare_completion(body, served, state.max_context)
 
     try:
-        job = await asyncio.to_thread(prepare)
+        job = await state.conduct.prepare(request.headers, endpoint, raw, prepare)    # planned by a conductor
     except FieldError as exc:
         return error(400, exc.message, param=exc.field)
     except ModelNotServed as exc:

@@ -40,6 +40,7 @@ async def health(request: Request) -> Any:
                                  "served": sum(lane.total for lane in state.lanes)}},
         "caches": state.caches.health() if state.caches is not None else {"enabled": False},
         "speculation": state.spec.health(),
+        "conductor": state.conduct.health(),
         "info": info,
     })
 
@@ -53,7 +54,7 @@ async def openapi_doc(request: Request) -> Any:
 async def models(request: Request) -> Any:
     state = _state(request)
     return json_response({"object": "list", "data": [{
-        "id": state.served.model_id, "object": "model", "created": state.started, "owned_by": "tandem",
+        "id": state.conduct.model_name, "object": "model", "created": state.started, "owned_by": "tandem",
         "max_model_len": state.max_context}]})
 
 

@@ -1,0 +1,1 @@
+"""The conductor: TandemLLM's model name ``TandemLLM``, the weights with a conductor in front (docs/conductor.md)."""
