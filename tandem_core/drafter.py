@@ -27,7 +27,7 @@ Construction convention: a registered drafter (``tandem_drafters`` hook,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 __all__ = [
@@ -48,6 +48,7 @@ class Requirements:
     head           it reads the target's output head (lm_head)
     tokenizer      the sha256 fingerprint of the tokenizer its token ids mean, or None (any tokenizer)
     vocab_size     the vocabulary its own head or tables assume, or None (any)
+    mtp            it drives the target's own MTP head (``tandem_core.engine.base.MTPEngine``)
     """
 
     hidden_layers: tuple[int, ...] = ()
@@ -55,11 +56,14 @@ class Requirements:
     head: bool = False
     tokenizer: str | None = None
     vocab_size: int | None = None
+    mtp: bool = False
 
 
 @dataclass(frozen=True)
 class TargetInfo:
-    """What a target offers a drafter. ``name`` is the model's id, for messages only."""
+    """What a target offers a drafter. ``name`` is the model's id, for messages only; ``mtp`` the decoder
+    layers of its MTP head (0: none); ``engine`` the engine the drafter drafts for, when the drafter is
+    built for one (a drafter that reads the target's rows or drives its head reads them there)."""
 
     hidden_layers: tuple[int, ...] = ()
     embedding: bool = False
@@ -67,12 +71,16 @@ class TargetInfo:
     tokenizer: str | None = None
     vocab_size: int = 0
     name: str = ""
+    mtp: int = 0
+    engine: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, caps: Any, *, tokenizer: str | None, vocab_size: int, embedding: bool = True,
-           head: bool = True, name: str = "") -> "TargetInfo":
-        """From an engine's ``Capabilities`` (its ``hidden_layers``) and the served tokenizer."""
-        return cls(tuple(caps.hidden_layers), embedding, head, tokenizer, int(vocab_size), name)
+           head: bool = True, name: str = "", engine: Any = None) -> "TargetInfo":
+        """From an engine's ``Capabilities`` (its ``hidden_layers``, its MTP head) and the served tokenizer;
+        ``engine``: the engine itself, for a drafter built for it."""
+        return cls(tuple(caps.hidden_layers), embedding, head, tokenizer, int(vocab_size), name,
+                   int(caps.mtp), engine)
 
 
 @dataclass(frozen=True)
@@ -166,6 +174,9 @@ def check_target(drafter_name: str, requirements: Requirements, target: TargetIn
     if requirements.tokenizer is not None and requirements.tokenizer != target.tokenizer:
         theirs = target.tokenizer or "unknown"
         problems.append(f"tokenizer sha256 {requirements.tokenizer} (the target's is {theirs})")
+    if requirements.mtp and not target.mtp:
+        problems.append("an MTP head (the target's checkpoint ships none, or its engine offers none: "
+                        "caps.mtp is 0)")
     if requirements.vocab_size is not None and requirements.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {requirements.vocab_size} (the target's is {target.vocab_size})")
     if problems:

@@ -4,14 +4,16 @@
 
 - ``--spec off`` (or no drafter named): plain decoding;
 - an engine without tree verbs (``caps.tree`` off): plain decoding, one log line;
-- a drafter that does not fit the target (``check_target``): refused by name, plain decoding;
+- a drafter that does not fit the target (``check_target``): refused by name, plain decoding (``--spec mtp``
+  on a checkpoint without an MTP head, say);
 - the self-check (``spec.selfcheck``), on a spare engine in the background when the plugin can
   spawn one (the server decodes plainly until it passes), replays a recorded decode as chains and
   trees of every verify width up to ``--max-tree`` and compares every row bit for bit: on a
   difference speculation is off for the process, with one log line naming the layer and row,
   and ``/health`` says so.
 
-Each engine gets its own drafters (they keep that engine's session history) and its own
+Each engine gets its own drafters, built for it (they keep that engine's session history; the MTP
+drafter drives that engine's own head, ``TargetInfo.engine``) and its own
 ``StairCut`` (prices from the model's price file for this profile and device, else learnt
 online from its own verify times). ``/metrics`` and the log line carry tokens per round and
 acceptance.
@@ -144,10 +146,15 @@ def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptio
         return _off(f"the {served.model_id} engine verifies no trees", n, names, 0)
     # a verify carries the pending token besides the drafted nodes: 1 + max_tree rows
     max_tree = max(1, min(options.max_tree, caps.max_tree - 1))
-    target = TargetInfo.of(caps, tokenizer=served.tokenizer.fingerprint(), vocab_size=served.tokenizer.vocab_size,
-                           name=served.model_id)
+    fingerprint = served.tokenizer.fingerprint()
+
+    def target(engine: Any) -> TargetInfo:
+        # each engine's drafters are built for it: the MTP drafter drives that engine's own head
+        return TargetInfo.of(engine.caps, tokenizer=fingerprint, vocab_size=served.tokenizer.vocab_size,
+                             name=served.model_id, engine=engine)
+
     try:
-        per_engine_drafters = [[build_drafter(name, target) for name in names] for _ in engines]
+        per_engine_drafters = [[build_drafter(name, target(e)) for name in names] for e in engines]
     except (DrafterMismatch, KeyError, TypeError) as exc:
         return _off(str(exc).strip("'\""), n, names, max_tree)
     device = _device_name(caps.device.split(":")[0])

@@ -1,4 +1,4 @@
-"""The plugin's hooks: the lookup drafter, the ``tandem corpus`` command and the plugin's settings.
+"""The plugin's hooks: the lookup and MTP drafters, the ``tandem corpus`` command and the plugin's settings.
 
 Imports nothing heavy: the drafter and the command are named by import path.
 """
@@ -14,6 +14,7 @@ __all__ = ["DRAFTERS", "SETTINGS_DECLARED", "tandem_drafters", "tandem_cli_comma
 
 DRAFTERS = {
     "lookup": "tandem_drafters.lookup:LookupDrafter",
+    "mtp": "tandem_drafters.mtp:MTPDrafter",
 }
 
 SETTINGS_DECLARED = (

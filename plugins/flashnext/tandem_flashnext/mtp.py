@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from tandem_core import ops
-from tandem_core.engine import Step
+from tandem_core.engine import HeadRows, MemoryPart, Step, tensor_bytes
 from tandem_core.ops import rope as _rope
 
 from tandem_flashnext.blocks import decoder_block, hyper_mix
@@ -123,7 +123,9 @@ class Draft(NamedTuple):
 
 class MTPHead:
     """The MTP head over the target's ``FlashNextWeights`` (embedding and head) and its own ``MTPWeights``,
-    with its own K/V/IK rows for ``max_context`` positions. One sequence."""
+    with its own K/V/IK rows for ``max_context`` positions. One sequence. A ``DraftHead``
+    (``tandem_core.engine.base``): ``run`` reads the last layer's tapped streams (``reads``), ``[n*H]``
+    a row."""
 
     def __init__(self, cfg: FlashNextConfig, target: FlashNextWeights, weights: MTPWeights, *,
                  max_context: int) -> None:
@@ -138,6 +140,19 @@ class MTPHead:
         self._IK = torch.zeros(L, self.max_context, cfg.indexer_head_dim, dtype=self.act_dtype,
                                device=self.device)
         self._inv_freq = _rope.inv_freq(cfg.rotary_dim, cfg.rope_theta, self.device)
+        self.layers = L
+        self.reads: int | None = cfg.num_hidden_layers - 1      # the streams after the last decoder layer
+        self.width = cfg.hc_dim
+
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0) -> HeadRows:
+        """``forward`` as a ``DraftHead``: the carry is the streams before the head's final mixer."""
+        rows = self.forward(tokens, hidden, start, layer=layer)
+        return HeadRows(rows.streams, rows.logits)
+
+    def memory_parts(self) -> list[MemoryPart]:
+        dev = str(self.device)
+        return [MemoryPart("mtp.weights", self.w.nbytes, dev),
+                MemoryPart("mtp.kv", tensor_bytes(self._K, self._V, self._IK), dev)]
 
     def views(self) -> dict[str, tuple[torch.Tensor, int]]:
         """The head's own rows (tensor, token axis): ``mtp.K``, ``mtp.V`` (axis 2), ``mtp.IK`` (axis 1)."""
