@@ -1,0 +1,214 @@
+"""Qwen3.8's MTP head and the shared MTP drafter over it, against the reference forward
+(``tests/mtp_reference_qwen38.py``: vLLM's published Qwen3.5 MTP design on transformers' own modules, since
+transformers drops ``mtp.*``), on a tiny random head in the ``mtp.*`` layout written as its own shard: the
+head's rows in both forms, the drafter's drafts after a prefill, a committed tree path and a plain step, a
+malformed head refused by name, and speculative decoding with ``mtp`` equal to plain decoding."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest_qwen38 import load_engine, prompt, qwen38_ckpts  # noqa: F401  (fixture)
+from mtp_reference_qwen38 import target_hidden
+
+from tandem_core.checkpoint.audit import AuditError
+from tandem_core.drafter import DrafterMismatch, TargetInfo, build_drafter
+from tandem_core.engine import supports_mtp
+from tandem_core.spec.cut import StairCut
+from tandem_core.spec.loop import Decode, DecodeRequest
+from tandem_core.spec.sampler import SamplingParams
+from tandem_core.spec.speculate import SpecDecode, Speculation
+from tandem_core.testing.trees import flat_prices
+from tandem_qwen38.config import read_config
+from tandem_qwen38.weights import open_checkpoint
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def open_dir(path):
+    cfg = read_config(json.loads((path / "config.json").read_text()))
+    return cfg, open_checkpoint(path, cfg)
+
+
+def reference_drafts(head, next_tokens: torch.Tensor, hidden: torch.Tensor, depth: int):
+    """The reference over the whole sequence, fed its own top token and output row one depth at a time:
+    ``[(top-2 ids, top-2 probs)]`` a depth."""
+    toks, rows, out = next_tokens.clone(), hidden.clone(), []
+    for _ in range(depth):
+        carry, logits = head(toks, rows)
+        top = torch.softmax(logits[-1], dim=-1).topk(2)
+        out.append((top.indices, top.values))
+        toks, rows = torch.cat([toks, top.indices[:1]]), torch.cat([rows, carry[-1:]])
+    return out
+
+
+def assert_drafts(draft, ref) -> None:
+    assert draft.tokens.shape == draft.probs.shape == (len(ref), 2)
+    for k, (ids, probs) in enumerate(ref):
+        assert draft.tokens[k].tolist() == ids.tolist(), f"depth {k}"
+        assert torch.allclose(draft.probs[k], probs, atol=1e-5), f"depth {k}"
+
+
+class IdDetok:
+    def push(self, t: int) -> str:
+        return f"<{t}>"
+
+    def flush(self) -> str:
+        return ""
+
+
+def test_the_checkpoint_reads_its_head_instead_of_skipping_it(qwen38_ckpts):
+    _, ckpt = open_dir(qwen38_ckpts.mtp.path)
+    assert ckpt.mtp_layers == 1 and ckpt.skipped == {}
+    assert "mtp.fc.weight" in ckpt.expected and ckpt.reader.info("mtp.fc.weight").file.name == \
+        "model-mtp.safetensors"
+    _, bare = open_dir(qwen38_ckpts.text.path)
+    assert bare.mtp_layers == 0
+    eng, plain = load_engine(qwen38_ckpts.mtp.path), load_engine(qwen38_ckpts.text.path)
+    assert supports_mtp(eng) and eng.caps.mtp == 1 and not supports_mtp(plain)
+    ids = prompt(24, VOCAB)
+    assert torch.equal(eng.forward(ids, all_logits=True), plain.forward(ids, all_logits=True))
+    names = {p.name for p in eng.memory_parts()}
+    assert {"mtp.weights", "mtp.kv"} <= names
+
+
+def test_the_heads_rows_equal_the_reference_in_both_forms(qwen38_ckpts):
+    eng = load_engine(qwen38_ckpts.mtp.path)
+    head = eng.mtp_head()
+    ids = prompt(33, VOCAB, seed=13)
+    hidden = target_hidden(qwen38_ckpts.text.model, ids[:32])
+    ref_carry, ref_logits = qwen38_ckpts.head(ids[1:], hidden)
+    scale = ref_logits.abs().max()
+    got = head.run(ids[1:21], hidden[:20], 0)                     # prefill form
+    rows = [head.run(ids[t + 1:t + 2], hidden[t:t + 1], t) for t in range(20, 32)]   # decode form
+    logits = torch.cat([got.logits, *(r.logits for r in rows)])
+    carry = torch.cat([got.carry, *(r.carry for r in rows)])
+    assert float((logits - ref_logits).abs().max() / scale) < 1e-4
+    assert float((carry - ref_carry).abs().max() / ref_carry.abs().max()) < 1e-4
+
+
+def test_the_drafters_drafts_equal_the_reference_through_a_round(qwen38_ckpts):
+    """After the prefill, after a committed tree path of four tokens, and after a plain decode step: each draft
+    equals the reference run over the whole sequence, whose rows are transformers' target's."""
+    model, head = qwen38_ckpts.text.model, qwen38_ckpts.head
+    eng = load_engine(qwen38_ckpts.mtp.path)
+    drafter = build_drafter("mtp", TargetInfo.of(eng.caps, tokenizer=None, vocab_size=VOCAB, engine=eng),
+                            depth=3, branch_below=1.0)
+    p = prompt(20, VOCAB, seed=3).tolist()
+    greedy = model.generate(torch.tensor([p]), max_new_tokens=7, do_sample=False)[0, 20:].tolist()
+
+    def check(seq: list[int], pending: int) -> None:
+        proposal = drafter.propose([*seq, pending], 16)
+        ref = reference_drafts(head, torch.tensor([*seq[1:], pending]), target_hidden(model, torch.tensor(seq)), 3)
+        assert_drafts(drafter.read(), ref)
+        # the tree: each depth's top token on the chain, its second a sibling (branch_below=1: everywhere)
+        assert proposal.source == "mtp" and proposal.parents == (-1, -1, 0, 0, 2, 2)
+        assert proposal.tokens[::2] == tuple(int(i[0]) for i, _ in ref)
+
+    eng.forward(torch.tensor(p))
+    drafter.begin(p)
+    check(p, greedy[0])
+    # a round whose tree holds the target's own next tokens: the engine commits pending + 3, the bonus follows
+    tokens = torch.tensor([greedy[0], greedy[1], 7, greedy[2], greedy[3]])
+    eng.forward_tree(tokens, torch.tensor([-1, 0, 0, 1, 3]))
+    eng.commit_tree([0, 1, 3, 4])
+    eng.settle()
+    drafter.accepted([greedy[0], greedy[1], greedy[2], greedy[3]])
+    seq = [*p, *greedy[:4]]
+    check(seq, greedy[4])
+    # a plain step (nothing drafted this round): the pending token forwarded alone
+    eng.forward(torch.tensor([greedy[4]]))
+    drafter.accepted([greedy[4]])
+    check([*seq, greedy[4]], greedy[5])
+    # a new sequence sharing a prefix keeps the head's rows for it; the prefill of the rest gives the others
+    q = [*p[:12], 5, 6, 7]
+    eng.reset()
+    eng.forward(torch.tensor(q))
+    drafter.begin(q)
+    check(q, 9)
+
+
+def test_a_target_without_a_head_is_refused_by_name(qwen38_ckpts):
+    eng = load_engine(qwen38_ckpts.text.path)
+    target = TargetInfo.of(eng.caps, tokenizer=None, vocab_size=VOCAB, engine=eng, name="tiny")
+    with pytest.raises(DrafterMismatch, match=r"drafter 'mtp' cannot draft for target 'tiny': it needs an MTP "
+                                              r"head"):
+        build_drafter("mtp", target)
+
+
+@pytest.fixture
+def mtp_copy(qwen38_ckpts, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(qwen38_ckpts.mtp.path, path)
+    return path
+
+
+def edit(path, key, value) -> None:
+    file = path / "model-mtp.safetensors"
+    data = load_file(str(file))
+    if value is None:
+        data.pop(key)
+    else:
+        data[key] = value
+    save_file(data, str(file), metadata={"format": "pt"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: f for k, f in index["weight_map"].items() if f != file.name or k in data}
+    index["weight_map"].update({k: file.name for k in data})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("mtp.fc.weight", torch.zeros(64, 64),
+     r"tensor 'mtp\.fc\.weight' has shape \[64, 64\], the config needs \[64, 128\]"),
+    ("mtp.pre_fc_norm_hidden.weight", torch.zeros(32),
+     r"tensor 'mtp\.pre_fc_norm_hidden\.weight' has shape \[32\], the config needs \[64\]"),
+    ("mtp.layers.0.self_attn.q_proj.weight", torch.zeros(128, 64),
+     r"tensor 'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape \[128, 64\], the config needs \[256, 64\]"),
+    ("mtp.layers.0.mlp.down_proj.weight", None, r"missing tensor 'mtp\.layers\.0\.mlp\.down_proj\.weight'"),
+    ("mtp.embed_tokens.weight", torch.zeros(320, 64),
+     r"tensor 'mtp\.embed_tokens\.weight' is not one the qwen3_5 engine reads"),
+    ("mtp.layers.1.input_layernorm.weight", torch.zeros(64),
+     r"missing tensor 'mtp\.layers\.1\.post_attention_layernorm\.weight'"),
+])
+def test_a_malformed_head_is_refused_by_name(mtp_copy, key, value, named):
+    edit(mtp_copy, key, value)
+    with pytest.raises(AuditError, match=named):
+        open_dir(mtp_copy)
+
+
+def test_a_head_the_config_counts_otherwise_is_refused(mtp_copy):
+    raw = json.loads((mtp_copy / "config.json").read_text())
+    raw["mtp_num_hidden_layers"] = 2
+    with pytest.raises(AuditError, match=r"the MTP head has 1 decoder layers .* mtp_num_hidden_layers is 2"):
+        open_checkpoint(mtp_copy, read_config(raw))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_speculative_decoding_with_mtp_equals_plain(qwen38_ckpts, params):
+    spec_engine, plain_engine = load_engine(qwen38_ckpts.mtp.path), load_engine(qwen38_ckpts.mtp.path)
+    target = TargetInfo.of(spec_engine.caps, tokenizer=None, vocab_size=VOCAB, engine=spec_engine)
+    spec = Speculation([build_drafter("mtp", target)], StairCut(flat_prices(), max_tree=8), 8)
+    rounds = drafted = 0
+    for seed in range(4):
+        req = DecodeRequest(prompt(10 + 3 * seed, VOCAB - 8, seed=seed).tolist(), 20, params)
+        want = [t for c in Decode(plain_engine, req, IdDetok()).run() for t in c.tokens]
+        dec = SpecDecode(spec_engine, req, IdDetok(), speculation=spec)
+        assert [t for c in dec.run() for t in c.tokens] == want, f"prompt {seed}"
+        for name, sec in spec_engine.state.sections.items():
+            assert torch.equal(sec, plain_engine.state.sections[name]), name
+        rounds, drafted = rounds + dec.stats.rounds, drafted + dec.stats.drafted
+    assert drafted >= rounds, f"{drafted} nodes drafted in {rounds} rounds: the head proposed nothing"
