@@ -235,8 +235,8 @@ class ResumableEngine(Engine, Protocol):
 class HeadRows(NamedTuple):
     """What one ``DraftHead.run`` computed for rows ``start .. start + T - 1``."""
 
-    carry: torch.Tensor     # [T, D] what the next depth reads in place of the target's rows
-    logits: torch.Tensor    # fp32 [T, V] the distribution of the token two past each row's
+    carry: torch.Tensor           # [T, D] what the next depth reads in place of the target's rows
+    logits: torch.Tensor | None   # fp32 [T, V] the guess at the token two past each row's (None: not asked)
 
 
 @runtime_checkable
@@ -257,8 +257,10 @@ class DraftHead(Protocol):
     width: int                  # D, the features of a row it reads
     max_context: int
 
-    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0) -> HeadRows:
-        """``tokens [T]`` (each row's next token) and ``hidden [T, D]`` at positions ``start ..``."""
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0,
+            logits: bool = True) -> HeadRows:
+        """``tokens [T]`` (each row's next token) and ``hidden [T, D]`` at positions ``start ..``; ``logits``
+        False: the rows only (a capture that only fills the head's KV rows skips the output head)."""
         ...
 
     def views(self) -> dict[str, tuple[torch.Tensor, int]]:

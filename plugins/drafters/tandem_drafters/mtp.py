@@ -132,7 +132,7 @@ class MTPDrafter:
         if self._last is not None and self._valid + 1 < n:
             # the waiting row's next token came (a round the drafter was not asked to propose for)
             ids = torch.tensor([self._tokens[self._valid + 1]], dtype=torch.long, device=self._device)
-            self.head.run(ids, self._last, self._valid)
+            self.head.run(ids, self._last, self._valid, logits=False)
             self._valid, self._last = self._valid + 1, None
         T = min(int(rows.shape[0]), n - start)
         if T <= 0 or start < 0:
@@ -147,7 +147,7 @@ class MTPDrafter:
         while at < end:
             stop = min(end, at + self._chunk)
             ids = torch.tensor(self._tokens[at + 1:stop + 1], dtype=torch.long, device=self._device)
-            self.head.run(ids, rows[at - start:stop - start], at)
+            self.head.run(ids, rows[at - start:stop - start], at, logits=False)
             at = stop
         self._valid = end
         self._last = rows[end - start:end - start + 1].clone()
@@ -166,6 +166,7 @@ class MTPDrafter:
             if at + k >= self.head.max_context:
                 break
             out = self.head.run(tok, hidden, at + k, layer=k % layers)
+            assert out.logits is not None
             top = torch.softmax(out.logits[-1].float(), dim=-1).topk(2)
             tokens.append(top.indices)
             probs.append(top.values)

@@ -144,10 +144,12 @@ class MTPHead:
         self.reads: int | None = cfg.num_hidden_layers - 1      # the streams after the last decoder layer
         self.width = cfg.hc_dim
 
-    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0) -> HeadRows:
-        """``forward`` as a ``DraftHead``: the carry is the streams before the head's final mixer."""
-        rows = self.forward(tokens, hidden, start, layer=layer)
-        return HeadRows(rows.streams, rows.logits)
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0,
+            logits: bool = True) -> HeadRows:
+        """``forward`` as a ``DraftHead``: the carry is the streams before the head's final mixer; ``logits``
+        False skips the final mixer and the output head."""
+        rows = self.forward(tokens, hidden, start, layer=layer, logits=logits)
+        return HeadRows(rows.streams, rows.logits if logits else None)
 
     def memory_parts(self) -> list[MemoryPart]:
         dev = str(self.device)
@@ -159,7 +161,8 @@ class MTPHead:
         return {"mtp.K": (self._K, 2), "mtp.V": (self._V, 2), "mtp.IK": (self._IK, 1)}
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, streams: torch.Tensor, start: int, *, layer: int = 0) -> MTPRows:
+    def forward(self, tokens: torch.Tensor, streams: torch.Tensor, start: int, *, layer: int = 0,
+                logits: bool = True) -> MTPRows:
         """Rows at positions ``start .. start + T - 1``: ``tokens [T]`` the next tokens, ``streams [T, n*H]``
         the streams at those positions. Writes the head's rows there; one row is the decode form."""
         cfg, op, w = self.cfg, self._op, self.w
@@ -180,6 +183,8 @@ class MTPHead:
         lw = w.layers[layer]
         mix = partial(self._attend, lw.mixer, layer, step, mm, cos, sin)
         x = decoder_block(op, mm, x, lw, cfg, mix)
+        if not logits:                          # the head's rows only (its KV rows are written)
+            return MTPRows(x, x, torch.empty(0))
         out, _ = hyper_mix(op, mm, x, w.final_hc, cfg)
         return MTPRows(out, x, mm(self.target.head, out).float())
 

@@ -147,9 +147,11 @@ class MTPHead:
         return [MemoryPart("mtp.weights", self.w.nbytes, dev), MemoryPart("mtp.kv", tensor_bytes(self._K, self._V), dev)]
 
     @torch.no_grad()
-    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0) -> HeadRows:
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0,
+            logits: bool = True) -> HeadRows:
         """Rows at ``start .. start + T - 1``: ``tokens [T]`` each row's next token, ``hidden [T, H]`` the rows it
-        reads. Writes the head's K/V there; the carry is the rows after ``mtp.norm``."""
+        reads. Writes the head's K/V there; the carry is the rows after ``mtp.norm``; ``logits`` False skips the
+        output head."""
         cfg, op, w = self.cfg, self._op, self.w
         T, eps = int(tokens.numel()), cfg.rms_norm_eps
         if start < 0 or start + T > self.max_context:
@@ -169,7 +171,7 @@ class MTPHead:
         a = norm(x, lw.post_norm, eps)
         x = x + mm(lw.mlp.down, op["silu"](mm(lw.mlp.gate, a)).to(self.act_dtype) * mm(lw.mlp.up, a))
         out = norm(x, w.norm, eps)
-        return HeadRows(out, mm(self.target.head, out).float())
+        return HeadRows(out, mm(self.target.head, out).float() if logits else None)
 
     def _attention(self, x: torch.Tensor, w: AttentionWeights, slot: int, step: Step, mm: Any,
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
