@@ -212,3 +212,61 @@ def test_speculative_decoding_with_mtp_equals_plain(qwen38_ckpts, params):
             assert torch.equal(sec, plain_engine.state.sections[name]), name
         rounds, drafted = rounds + dec.stats.rounds, drafted + dec.stats.drafted
     assert drafted >= rounds, f"{drafted} nodes drafted in {rounds} rounds: the head proposed nothing"
+
+
+@pytest.fixture(scope="module")
+def servers(qwen38_ckpts, tmp_path_factory):
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[3]
+    helpers = root / "tests" / "plugins"
+    if str(helpers) not in sys.path:
+        sys.path.insert(0, str(helpers))
+    from replay_server import Server
+
+    env = {"TANDEM_EXTRA_PLUGINS": "tandem_qwen38.plugin,tandem_drafters.plugin",
+           "PYTHONPATH": os.pathsep.join([str(helpers), str(root), str(root / "plugins" / "qwen38_27b"),
+                                          str(root / "plugins" / "drafters")])}
+    path = qwen38_ckpts.mtp.path
+    spec = Server(path, tmp_path_factory.mktemp("ms"), "--spec", "mtp", "--max-tree", "8", "--no-cache",
+                  "--max-context", "256", env=env)
+    plain = Server(path, tmp_path_factory.mktemp("mp"), "--spec", "off", "--no-cache", "--max-context", "256",
+                   env=env)
+    try:
+        spec.wait_ready(120)
+        plain.wait_ready(120)
+        deadline = time.monotonic() + 120
+        while httpx.get(spec.url + "/health").json()["speculation"]["reason"] == "self-check running":
+            assert time.monotonic() < deadline, "the self-check did not finish"
+            time.sleep(0.2)
+        yield spec, plain
+    finally:
+        spec.stop()
+        plain.stop()
+
+
+@pytest.mark.server
+def test_the_server_with_spec_mtp_answers_as_the_plain_server(servers):
+    """``--spec mtp`` through a real server and the official client, greedy and seeded, against ``--spec off``."""
+    import httpx
+    from openai import OpenAI
+
+    spec, plain = servers
+    h = httpx.get(spec.url + "/health").json()["speculation"]
+    assert h["enabled"] and h["drafters"] == ["mtp"] and h["selfcheck"]["ok"], h
+    texts = [" ".join(f"w{t}" for t in prompt(6 + 2 * i, 300, seed=40 + i).tolist()) for i in range(4)]
+
+    def ask(server, **kw):
+        client = OpenAI(base_url=server.url + "/v1", api_key="x", timeout=120)
+        return [client.chat.completions.create(model="replay-test", messages=[{"role": "user", "content": t}],
+                                               max_tokens=20, **kw).choices[0].message.content for t in texts]
+
+    assert ask(spec, temperature=0) == ask(plain, temperature=0)
+    assert ask(spec, temperature=0.8, seed=5) == ask(plain, temperature=0.8, seed=5)
+    after = httpx.get(spec.url + "/health").json()["speculation"]
+    assert after["rounds"] > 0 and after["tokens_per_round"] >= 1.0
