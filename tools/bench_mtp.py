@@ -1,4 +1,4 @@
-"""What the shared MTP drafter costs a round: capture, launch and read over a Qwen3.8 MTP head, random weights.
+"""What the shared MTP drafter costs a round: capture, launch and read over a Qwen3.8 MTP head (random).
 
 Random weights never get a draft accepted, so the head's worth (its acceptance) cannot be measured here;
 its cost can. A Qwen3.8 engine (one full-attention target layer: the target's own forwards are not timed)
@@ -14,8 +14,9 @@ capture, the launch + read, their sum (the drafter's cost a round) and that sum 
 ``tiny`` (the tests'), ``small`` (hidden 1024, vocabulary 32768) and ``27b`` (the published Qwen3.8-27B
 head: hidden 5120, 24/4 heads of 256, MLP 17408, vocabulary 248320; for a GPU, bf16).
 
-    python tools/bench_mtp.py [--shape small] [--device cpu] [--dtype fp32] [--context 1024] [--rounds 20]
-                              [--depths 1,2,3,4] [--accepted 0,3] [--threads 2] [--out docs/measurements/cpu-mtp.md]
+    python tools/bench_mtp.py [--shape small] [--device cpu] [--dtype fp32] [--context 1024]
+                              [--rounds 20] [--depths 1,2,3,4] [--accepted 0,3] [--threads 2]
+                              [--out docs/measurements/cpu-mtp.md]
 """
 
 from __future__ import annotations
@@ -53,17 +54,20 @@ def build(shape: str, device: str, dtype: str, max_context: int) -> Any:
     from tandem_qwen38.serving import build_engine
     from tandem_qwen38.weights import build_weights, expected_mtp_tensors, expected_tensors
 
-    raw = {**SHAPES[shape], "model_type": "qwen3_5_text", "num_hidden_layers": 1, "layer_types": ["full_attention"],
+    raw = {**SHAPES[shape], "model_type": "qwen3_5_text", "num_hidden_layers": 1,
+           "layer_types": ["full_attention"],
            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
            "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4, "max_position_embeddings": 1 << 18,
            "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 1,
-           "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}}
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                               "partial_rotary_factor": 0.25}}
     cfg = read_config(raw)
     gen = torch.Generator().manual_seed(0)
 
     def random(shape: tuple[int, ...]) -> torch.Tensor:
         scale = shape[-1] ** -0.5 if len(shape) >= 2 else 0.1
-        return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+        held = torch.bfloat16 if dtype == "bf16" else torch.float32
+        return (torch.randn(shape, generator=gen) * scale).to(held)
 
     target = {k: random(e.shape) for k, e in expected_tensors(cfg).items()}
     weights = build_weights(target, cfg, dtype, device)
@@ -77,7 +81,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench(engine: Any, cfg: Any, device: str, context: int, depth: int, accepted: int, rounds: int) -> dict[str, float]:
+def bench(engine: Any, cfg: Any, device: str, context: int, depth: int, accepted: int,
+          rounds: int) -> dict[str, float]:
     from tandem_drafters.mtp import MTPDrafter
 
     drafter = MTPDrafter(engine=engine, depth=depth)
@@ -139,25 +144,28 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((depth, acc, r))
     head = engine.mtp_head()
     lines = [
-        "| depth | accepted tokens a round | capture ms | launch + read ms | drafter ms a round | ms a head step |",
+        "| depth | accepted tokens a round | capture ms | launch + read ms | drafter ms a round "
+        "| ms a head step |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [f"| {d} | {a} | {r['capture']:.2f} | {r['launch']:.2f} | {r['round']:.2f} | {r['step']:.2f} |"
               for d, a, r in rows]
     cmd = "python tools/bench_mtp.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or "cpu")
+    cuda = args.device.startswith("cuda")
+    where = torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     about = [
         f"- device: {args.device} ({where}), {os.cpu_count()} logical cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} torch thread(s); load average (1 min) {load:.1f} after the runs",
         f"- head: the `{args.shape}` shape (hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
         f"{cfg.num_key_value_heads} heads of {cfg.head_dim}, MLP {cfg.intermediate_size}, vocabulary "
-        f"{cfg.vocab_size}), {args.dtype}, random weights; {sum(p.nbytes for p in head.memory_parts()) / 2**20:.1f} "
-        f"MiB (its weights and its KV rows for {head.max_context} positions; the embedding and output head are "
+        f"{cfg.vocab_size}), {args.dtype}, random weights; "
+        f"{sum(p.nbytes for p in head.memory_parts()) / 2**20:.1f} MiB (its weights and its KV rows for "
+        f"{head.max_context} positions; the embedding and output head are "
         f"the target's)",
-        f"- context {args.context} tokens; median of {args.rounds} rounds; a round's capture reads the committed "
-        f"tokens' rows (accepted + the pending one), its launch runs `depth` chained head steps and reads the top "
-        f"two a depth; `ms a head step` divides by the head calls (depth, plus the capture's when it runs)",
+        f"- context {args.context} tokens; median of {args.rounds} rounds; a round's capture reads the "
+        f"committed tokens' rows (accepted + the pending one), its launch runs `depth` chained head steps "
+        f"and reads the top two a depth; `ms a head step` divides by the head calls (depth, plus the capture's when it runs)",
     ]
     print("\n".join(about + [""] + lines))
     if args.out:

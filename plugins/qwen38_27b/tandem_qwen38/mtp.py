@@ -71,13 +71,15 @@ class MTPWeights:
         return tensor_bytes(*self.tensors()) + sum(lin.nbytes for lin in self.linears())
 
     def parameter_count(self) -> int:
-        return sum(t.numel() for t in self.tensors()) + sum(lin.shape[0] * lin.shape[1] for lin in self.linears())
+        held = sum(t.numel() for t in self.tensors())
+        return held + sum(lin.shape[0] * lin.shape[1] for lin in self.linears())
 
 
 def build_mtp(get: Callable[[str], torch.Tensor], cfg: Qwen38Config, layers: int, dtype: str = "fp32",
               device: str | torch.device = "cpu") -> MTPWeights:
-    """The head from its tensors by checkpoint key (``mtp.fc.weight``, ``mtp.layers.0.self_attn.q_proj.weight``,
-    ...), each projection a ``Linear`` of the requested dtype's format, the norms in fp32."""
+    """The head from its tensors by checkpoint key (``mtp.fc.weight``,
+    ``mtp.layers.0.self_attn.q_proj.weight``, ...), each projection a ``Linear`` of the requested dtype's
+    format, the norms in fp32."""
     fmt, _ = DTYPES[normalise_dtype(dtype)]
     dev = torch.device(device)
     expected = expected_mtp_tensors(cfg, layers)
@@ -144,18 +146,20 @@ class MTPHead:
 
     def memory_parts(self) -> list[MemoryPart]:
         dev = str(self.device)
-        return [MemoryPart("mtp.weights", self.w.nbytes, dev), MemoryPart("mtp.kv", tensor_bytes(self._K, self._V), dev)]
+        return [MemoryPart("mtp.weights", self.w.nbytes, dev),
+                MemoryPart("mtp.kv", tensor_bytes(self._K, self._V), dev)]
 
     @torch.no_grad()
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0,
             logits: bool = True) -> HeadRows:
-        """Rows at ``start .. start + T - 1``: ``tokens [T]`` each row's next token, ``hidden [T, H]`` the rows it
-        reads. Writes the head's K/V there; the carry is the rows after ``mtp.norm``; ``logits`` False skips the
-        output head."""
+        """Rows at ``start .. start + T - 1``: ``tokens [T]`` each row's next token, ``hidden [T, H]`` the
+        rows it reads. Writes the head's K/V there; the carry is the rows after ``mtp.norm``; ``logits``
+        False skips the output head."""
         cfg, op, w = self.cfg, self._op, self.w
         T, eps = int(tokens.numel()), cfg.rms_norm_eps
         if start < 0 or start + T > self.max_context:
-            raise ValueError(f"MTP head: positions {start}..{start + T - 1} are outside 0..{self.max_context - 1}")
+            raise ValueError(f"MTP head: positions {start}..{start + T - 1} are outside "
+                             f"0..{self.max_context - 1}")
         if hidden.shape != (T, cfg.hidden_size):
             raise ValueError(f"MTP head: hidden rows {list(hidden.shape)}, need [{T}, {cfg.hidden_size}]")
         step = Step(int(start), T)
@@ -167,7 +171,8 @@ class MTPHead:
         lw = w.layers[layer % self.layers]
         cos, sin = _rope.cos_sin(step.positions(self.device), self._inv_freq)
         assert isinstance(lw.mixer, AttentionWeights)
-        x = x + self._attention(norm(x, lw.input_norm, eps), lw.mixer, layer % self.layers, step, mm, cos, sin)
+        slot = layer % self.layers
+        x = x + self._attention(norm(x, lw.input_norm, eps), lw.mixer, slot, step, mm, cos, sin)
         a = norm(x, lw.post_norm, eps)
         x = x + mm(lw.mlp.down, op["silu"](mm(lw.mlp.gate, a)).to(self.act_dtype) * mm(lw.mlp.up, a))
         out = norm(x, w.norm, eps)

@@ -80,7 +80,8 @@ def target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def add_mtp_shard(path: Path, tensors: dict[str, torch.Tensor], shard: str = "model-mtp.safetensors") -> None:
-    """Write ``tensors`` as a shard of their own beside the checkpoint's and an index naming every tensor's file
+    """Write ``tensors`` as a shard of their own beside the checkpoint's and an index naming every tensor's
+    file
     (the one ``save_pretrained`` wrote, or the index it wrote, extended)."""
     index_file = path / "model.safetensors.index.json"
     if index_file.exists():

@@ -101,7 +101,8 @@ def test_the_heads_rows_equal_the_reference_in_both_forms(qwen38_ckpts):
 
 
 def test_the_drafters_drafts_equal_the_reference_through_a_round(qwen38_ckpts):
-    """After the prefill, after a committed tree path of four tokens, and after a plain decode step: each draft
+    """After the prefill, after a committed tree path of four tokens, and after a plain decode step: each
+    draft
     equals the reference run over the whole sequence, whose rows are transformers' target's."""
     model, head = qwen38_ckpts.text.model, qwen38_ckpts.head
     eng = load_engine(qwen38_ckpts.mtp.path)
@@ -112,7 +113,8 @@ def test_the_drafters_drafts_equal_the_reference_through_a_round(qwen38_ckpts):
 
     def check(seq: list[int], pending: int) -> None:
         proposal = drafter.propose([*seq, pending], 16)
-        ref = reference_drafts(head, torch.tensor([*seq[1:], pending]), target_hidden(model, torch.tensor(seq)), 3)
+        hidden = target_hidden(model, torch.tensor(seq))
+        ref = reference_drafts(head, torch.tensor([*seq[1:], pending]), hidden, 3)
         assert_drafts(drafter.read(), ref)
         # the tree: each depth's top token on the chain, its second a sibling (branch_below=1: everywhere)
         assert proposal.source == "mtp" and proposal.parents == (-1, -1, 0, 0, 2, 2)
@@ -144,8 +146,8 @@ def test_the_drafters_drafts_equal_the_reference_through_a_round(qwen38_ckpts):
 def test_a_target_without_a_head_is_refused_by_name(qwen38_ckpts):
     eng = load_engine(qwen38_ckpts.text.path)
     target = TargetInfo.of(eng.caps, tokenizer=None, vocab_size=VOCAB, engine=eng, name="tiny")
-    with pytest.raises(DrafterMismatch, match=r"drafter 'mtp' cannot draft for target 'tiny': it needs an MTP "
-                                              r"head"):
+    named = r"drafter 'mtp' cannot draft for target 'tiny': it needs an MTP head"
+    with pytest.raises(DrafterMismatch, match=named):
         build_drafter("mtp", target)
 
 
@@ -176,7 +178,8 @@ def edit(path, key, value) -> None:
     ("mtp.pre_fc_norm_hidden.weight", torch.zeros(32),
      r"tensor 'mtp\.pre_fc_norm_hidden\.weight' has shape \[32\], the config needs \[64\]"),
     ("mtp.layers.0.self_attn.q_proj.weight", torch.zeros(128, 64),
-     r"tensor 'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape \[128, 64\], the config needs \[256, 64\]"),
+     r"tensor 'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape \[128, 64\], "
+     r"the config needs \[256, 64\]"),
     ("mtp.layers.0.mlp.down_proj.weight", None, r"missing tensor 'mtp\.layers\.0\.mlp\.down_proj\.weight'"),
     ("mtp.embed_tokens.weight", torch.zeros(320, 64),
      r"tensor 'mtp\.embed_tokens\.weight' is not one the qwen3_5 engine reads"),
@@ -252,7 +255,8 @@ def servers(qwen38_ckpts, tmp_path_factory):
 
 @pytest.mark.server
 def test_the_server_with_spec_mtp_answers_as_the_plain_server(servers):
-    """``--spec mtp`` through a real server and the official client, greedy and seeded, against ``--spec off``."""
+    """``--spec mtp`` through a real server and the official client, greedy and seeded, against
+    ``--spec off``."""
     import httpx
     from openai import OpenAI
 
