@@ -27,6 +27,11 @@ def tandem_drafters(register):
 
 
 @hookspec
+def tandem_tool_formats(register):
+    """Register tool-call formats: ``register(name, "module:Class")`` (a ``tandem_core.server.toolformat.ToolFormat``)."""
+
+
+@hookspec
 def tandem_cache_tiers(register):
     """Register cache tiers: ``register(name, "module:Class")``."""
 

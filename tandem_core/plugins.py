@@ -34,11 +34,12 @@ DEFAULT_PLUGINS = (
     "tandem_core.default_commands",
     "tandem_core.default_entries",
     "tandem_core.default_caches",
+    "tandem_core.default_tool_formats",
     "tandem_core.server.default_settings",
 )
 
 HOOKS = (
-    "tandem_architectures", "tandem_weight_formats", "tandem_drafters", "tandem_cache_tiers",
+    "tandem_architectures", "tandem_weight_formats", "tandem_drafters", "tandem_tool_formats", "tandem_cache_tiers",
     "tandem_cli_commands", "tandem_settings", "tandem_model_entries",
 )
 
@@ -63,6 +64,7 @@ class Registries:
     architectures: dict[str, Any] = field(default_factory=dict)
     weight_formats: dict[str, Callable[..., Any]] = field(default_factory=dict)
     drafters: dict[str, str] = field(default_factory=dict)
+    tool_formats: dict[str, str] = field(default_factory=dict)
     cache_tiers: dict[str, str] = field(default_factory=dict)
     cli_commands: dict[str, tuple] = field(default_factory=dict)
     model_entries: list[str] = field(default_factory=list)
@@ -195,6 +197,7 @@ def _collect() -> Registries:
         fn(register=register_arch)
     keyed("tandem_weight_formats", "weight_format", reg.weight_formats)
     keyed("tandem_drafters", "drafter", reg.drafters)
+    keyed("tandem_tool_formats", "tool_format", reg.tool_formats)
     keyed("tandem_cache_tiers", "cache_tier", reg.cache_tiers)
     for owner, fn in each("tandem_cli_commands"):
         def register_cmd(name: str, help: str, configure: Callable, run: Callable, _owner: str = owner) -> None:

@@ -63,9 +63,11 @@ class Served:
     engine         the engine (hot and cold verbs; its ``caps`` say the rest)
     tokenizer      the model's tokenizer
     chat_template  the model's own Jinja chat template (rendered sandboxed)
-    tool_format    ``"qwen_xml"``, ``"hermes_json"`` or ``"none"``: which tool-call parser reads its output
-    reasoning      True when the model writes a ``<think>`` block
-    think_in_prompt True when the template opens ``<think>`` in the prompt (the output starts inside it)
+    tool_format    the name of a registered tool-call format (``tandem_tool_formats``: ``"hermes_json"``,
+                   a plugin's ``"qwen_xml"``...) or ``"none"``: which parser and grammar read and force its calls
+    reasoning      True when the model writes a reasoning block
+    think_in_prompt True when the template opens the block in the prompt (the output starts inside it)
+    think_tags     the block's opening and closing tags
     stop_ids       token ids that end a turn
     info           the record ``/health`` shows: weights, fingerprints, load stages, memory parts
     spawn          builds another engine sharing the weights (own buffers), for ``--parallel N``; None if
@@ -79,6 +81,7 @@ class Served:
     tool_format: str = "hermes_json"
     reasoning: bool = False
     think_in_prompt: bool = False
+    think_tags: tuple[str, str] = ("<think>", "</think>")
     stop_ids: tuple[int, ...] = ()
     template_vars: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
@@ -86,12 +89,23 @@ class Served:
 
 
 def host_memory() -> tuple[int, int]:
-    """``(resident bytes now, peak resident bytes)`` of this process (the peak: the kernel's high-water mark)."""
+    """``(resident bytes now, peak resident bytes)`` of this process. The peak is the kernel's high-water mark
+    of this process's own memory (``VmHWM``); ``ru_maxrss`` is not used where ``/proc`` answers, because Linux
+    carries the parent's high-water mark through fork and exec into it (a launcher that held gigabytes would
+    show as this process's peak)."""
     import resource
 
     import psutil
 
-    return int(psutil.Process().memory_info().rss), int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    rss = int(psutil.Process().memory_info().rss)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return rss, int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return rss, int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 class ServeContext:

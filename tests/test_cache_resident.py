@@ -204,3 +204,27 @@ def test_release_order_cheapest_first_latest_last():
     assert [a.position for a in r.anchors()] == [192, 256, 300]
     r.release(10 * size)
     assert r.anchors() == [] and r.value_per_byte() == float("inf")
+
+
+def test_grid_follows_the_engines_prefill_chunk(monkeypatch, tmp_path):
+    from tandem_core.cache import CacheContext
+    from tandem_core.cache.resident import grid_spacing
+
+    assert grid_spacing(1024, 512) == 1024          # a chunk finer than the grid leaves it
+    assert grid_spacing(1024, 8192) == 8192         # the 27B CUDA runner's chunk
+    assert grid_spacing(1024, 3000) == 3072         # a multiple of the grid, at least the chunk
+    with pytest.raises(ValueError, match="anchor spacing"):
+        grid_spacing(0, 512)
+    monkeypatch.setenv("TANDEM_CACHE_ANCHOR_EVERY", "64")
+    r = ResidentPrefix.build(CacheContext("fp", tmp_path, chunk=100))
+    assert r.every == 128
+    # a cold prompt is forwarded in whole chunks: no grid point cuts one short
+    eng = TinyEngine(**LAYOUTS["hybrid"])
+    toks = tokens(300, seed=3)
+    plan = r.plan(toks, eng.state)
+    r.apply(plan, eng.state, reset=eng.reset)
+    assert r.chunks(plan.start, len(toks), 128) == [(0, 128), (128, 256), (256, 300)]
+    for a, b in r.chunks(plan.start, len(toks), 128):
+        eng.forward(torch.as_tensor(toks[a:b]))
+        r.commit(toks[a:b], eng.state)
+    assert [a.position for a in r.anchors()] == [128, 256]

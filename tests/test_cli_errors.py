@@ -137,3 +137,15 @@ def test_a_plugins_load_error_is_one_line_naming_the_file_exit_1(qwen38_ckpts, t
     assert rc == 1 and len(line) == 1, (rc, err)
     assert "Traceback" not in err and "terminate called" not in err
     assert str(d) in line[0] and all(n in line[0] for n in needles), line[0]
+
+
+def test_serve_refuses_a_tool_format_no_plugin_registered(tmp_path):
+    """The server finds formats only through the registry: a model naming one nobody registered is refused at
+    start, one line naming it and the known ones (``qwen_xml`` is the Qwen plugin's: not loaded here)."""
+    d = write_model(tmp_path / "model", [], tool_format="qwen_xml")
+    rc, _, err, _ = tandem("serve", "--weights", str(d), "--model", "replay-test", "--no-cache", "--port",
+                           str(free_port()), home=tmp_path / "home", plugins="replay_plugin")
+    line = [ln for ln in err.splitlines() if ln.startswith("tandem serve:")]
+    assert rc == 1 and len(line) == 1 and "Traceback" not in err, (rc, err)
+    line = line[0]
+    assert "'qwen_xml'" in line and "known: hermes_json, none" in line, line

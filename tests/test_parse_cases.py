@@ -109,11 +109,15 @@ def test_call_without_closing_block_tag_at_the_end_is_complete() -> None:
 
 
 def test_other_body_form_is_read_too() -> None:
-    """A model whose native form is XML sometimes writes the JSON form, and the other way round."""
+    """A model whose native form is XML sometimes writes the JSON form: ``qwen_xml`` reads both. ``hermes_json``
+    is the JSON form only (Qwen's XML body is the Qwen plugin's): an XML body there is malformed, kept as text."""
     json_body = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     xml_body = _xml("f", {"x": "1"})
     assert _args(json_body, None, "qwen_xml") == [{"x": 1}]
-    assert _args(xml_body, None, "hermes_json") == [{"x": 1}]
+    reasons: list[str] = []
+    parsed = parse_complete(xml_body, "hermes_json", False, False, None, on_malformed=reasons.append)
+    assert parsed.tool_calls == [] and parsed.content == xml_body
+    assert reasons == ["tool call body is not a JSON object"]
 
 
 def test_format_none_reads_no_calls() -> None:
@@ -255,7 +259,8 @@ def _collect(pieces: list[str], fmt: str, tools: list | None) -> tuple:
 def test_malformed_results_do_not_depend_on_the_split(what: str, text: str, fmt: str, reason: str) -> None:
     tools = [_tool("f", {"a": {"type": "integer"}})]
     closed = text.endswith("</tool_call>")  # else the call swallows whatever follows
-    full = "Before.\n\n" + text + ("\n\nAfter. " + _xml("f", {"a": "1"}) if closed else "")
+    good = _xml("f", {"a": "1"}) if fmt == "qwen_xml" else '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    full = "Before.\n\n" + text + ("\n\nAfter. " + good if closed else "")
     whole = _collect([full], fmt, tools)
     assert whole[3] == [reason] and len(whole[2]) == (1 if closed else 0)
     for k in range(len(full) + 1):

@@ -152,11 +152,11 @@ CASES = [
         "malformed-bad-json-and-unclosed",
         "<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"a\"<oops}}\n</tool_call>"
         "\nAfter.\n"
-        "<tool_call>\n<function=read_file>\n<parameter=path>\nhalf",
+        "<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"half",
         "hermes_json", False, False,
         "<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"a\"<oops}}\n</tool_call>"
         "\nAfter.\n"
-        "<tool_call>\n<function=read_file>\n<parameter=path>\nhalf",
+        "<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"half",
         "",
         (),
         ("tool call JSON: unexpected character outside a string", "tool call not closed"),

@@ -334,7 +334,7 @@ XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</par
 def xml_client(tmp_path_factory):
     root = tmp_path_factory.mktemp("xml")
     srv = Server(write_model(root / "model", [{"when": "[[weather]]", "text": XML_CALL}], tool_format="qwen_xml"),
-                 root / "home")
+                 root / "home", env={"TANDEM_EXTRA_PLUGINS": "replay_plugin,tandem_qwen38.plugin"})  # its format
     try:
         srv.wait_ready()
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=30, max_retries=0)

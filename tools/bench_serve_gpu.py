@@ -485,6 +485,8 @@ def report(D: dict[str, Any]) -> str:
     m = D.get("memory", {})
     if m:
         lines.append(f"| host peak RSS (load and serve) | {m['host_peak_rss'] / 2**30:.2f} GiB |")
+        if data.get('host_peak_at_ready'):
+            lines.append(f"| host peak RSS when the server is ready (the load) | {data['host_peak_at_ready'] / 2**30:.2f} GiB |")
         lines.append(f"| device memory: nvidia-smi / the engine's parts | {m['device_bytes_nvidia_smi'] / 2**30:.2f} / "
                      f"{m['engine_parts_total'] / 2**30:.2f} GiB |")
     d = D.get("decode")
@@ -544,6 +546,7 @@ def main() -> int:
     servers = [srv]
     try:
         R.put("load_s", srv.wait(600))
+        R.put("host_peak_at_ready", srv.peak_rss())
         R.put("health_engine", srv.health().get("engine"))
         R.put("load_host_memory", srv.health().get("info", {}).get("load_host_memory"))
         stages = [("memory", lambda: memory_stage(srv, R)),

@@ -228,6 +228,8 @@ class CacheContext:
     device       where the snapshot store keeps its tensors (the host, for an engine on a GPU)
     pin          keep them in page-locked host memory (an engine on a GPU: restores are fast DMA copies)
     cost         the recompute price of a token
+    chunk        the rows a prefill forward takes at a time (0: not known); the resident's anchor grid is
+                 never finer, so that no grid point splits a forward
     """
 
     fingerprint: str
@@ -235,4 +237,5 @@ class CacheContext:
     device: str = "cpu"
     pin: bool = False
     cost: CostModel = field(default_factory=CostModel)
+    chunk: int = 0
 

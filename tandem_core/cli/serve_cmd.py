@@ -160,6 +160,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
     from tandem_core.server.caches import CacheOptions
     from tandem_core.server.ledger import default_path
     from tandem_core.server.speculation import SpecOptions
+    from tandem_core.server.toolformat import UnknownToolFormat
     from tandem_core.serving import ServeArgs, ServeContext
 
     ctx = ServeContext(log=lambda line: log.info("%s", line), progress=_Bar())
@@ -183,6 +184,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, directory: Path | None
         state = ServerState(served, options)
     except ParallelUnavailable as exc:
         raise CliError(str(exc)) from exc
+    except UnknownToolFormat as exc:     # the model's plugin names a format no installed plugin registered
+        raise LoadFailed(str(exc)) from exc
+    from tandem_core.serving import host_memory
+
+    rss, peak = host_memory()
+    log.info("server state built (engines, caches, speculation): host rss %.2f GiB, peak %.2f GiB",
+             rss / 2**30, peak / 2**30)
     try:
         app = build_app(served, options, state)
         host = f"[{args.host}]" if ":" in args.host else args.host

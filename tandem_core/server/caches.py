@@ -415,7 +415,8 @@ def build_caches(served: Served, engines: Sequence[Engine], options: CacheOption
         on_gpu = first.caps.device.startswith("cuda")
         # the resident prefix and its anchors live with the engine (device memory); the snapshot store on the
         # host, page-locked when the engine is on a GPU (a restore is then a DMA, not a pageable copy)
-        ctx = CacheContext(fp, directory, device="cpu", pin=on_gpu, cost=CostModel())
+        chunk = options.chunk or first.caps.prefill_chunk or 512
+        ctx = CacheContext(fp, directory, device="cpu", pin=on_gpu, cost=CostModel(), chunk=chunk)
         lower: list[SnapshotTier] = []
         for name, path in tiers.items():
             if name in ("resident", "spill"):
@@ -432,7 +433,6 @@ def build_caches(served: Served, engines: Sequence[Engine], options: CacheOption
         # the gate measures the engine's device: what it may give back is what lives there (on a GPU, the
         # resident prefixes and their anchors; the host-side store is not device memory)
         gated: list[Releasable] = [*residents, *(t for t in lower if isinstance(t, Releasable) and not on_gpu)]
-        chunk = options.chunk or first.caps.prefill_chunk or 512
         gate = _SharedGate(workspace_estimate(first, chunk, served.tokenizer.vocab_size),
                            first.state.view_bytes_per_token(), gated, peak_bytes=peak,
                            base_bytes=base_bytes(engines), device=first.caps.device)

@@ -77,7 +77,7 @@ class _Reader:
         spec = job.parse
         assert spec is not None
         self.parser = OutputParser(spec.tool_format, spec.reasoning, spec.think_in_prompt, spec.tools,
-                                   keep_malformed=not spec.forced)
+                                   keep_malformed=not spec.forced, think_tags=spec.think_tags)
         self.rid = job.rid
         self.calls_ended = 0
 

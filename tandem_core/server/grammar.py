@@ -16,8 +16,9 @@ budget runs out, however it spends it; ``GrammarConstraint.done`` ends the answe
 only a stop could follow.
 
 ``think`` says how a reasoning block precedes the constrained part: ``"none"`` (no
-thinking), ``"open"`` (the prompt opened ``<think>``: free text up to ``</think>``), or
-``"maybe"`` (the answer may start with a ``<think>`` block). The constrained part
+thinking), ``"open"`` (the prompt opened the block: free text up to its closing tag), or
+``"maybe"`` (the answer may start with a block); the tags are the model's (``think_tags``,
+``<think>`` and ``</think>`` unless its plugin says otherwise). The constrained part
 starts after it, so thinking stays free.
 """
 
@@ -30,7 +31,8 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 
 from tandem_core.server.bounds import BoundError, choose, json_rule, raw_string_bytes, tighten, worst_bytes
-from tandem_core.server.toolformat import tool_format
+from tandem_core.server.parsing.reasoning import THINK_TAGS
+from tandem_core.server.toolformat import UnknownToolFormat, tool_format
 from tandem_core.serving import Tokenizer
 
 __all__ = ["GrammarError", "Grammars", "GrammarConstraint", "available", "MAX_CALLS"]
@@ -108,8 +110,10 @@ class GrammarConstraint:
 class Grammars:
     """Compiles grammars for one tokenizer. Thread-safe; the llguidance tokenizer is built on first use."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop_ids: Sequence[int],
+                 think_tags: tuple[str, str] = THINK_TAGS) -> None:
         self.tokenizer = tokenizer
+        self.think_tags = think_tags
         self.stop_ids = list(dict.fromkeys([*stop_ids, *tokenizer.eos_token_ids]))
         self._lt: Any = None
         self._lock = threading.Lock()
@@ -159,13 +163,13 @@ class Grammars:
         characters before the constrained part (``chars`` 0: the block must close at once)."""
         if think == "none":
             return "", [], 0
-        open_, close = self.literal("<think>"), self.literal("</think>")
+        open_, close = self.literal(self.think_tags[0]), self.literal(self.think_tags[1])
         span = "*" if chars >= UNBOUNDED else f"{{0,{max(0, chars)}}}"
         # a special token never occurs inside text, so the body can be greedy before one
         body = f"THINK_BODY: /(?s:.{span})/" if close.startswith("<[") else \
             f"think_body[suffix={close}]: /(?s:.{span})/"
         block = f"THINK_BODY {close}" if close.startswith("<[") else "think_body"
-        size = len("<think></think>".encode()) + raw_string_bytes(min(chars, UNBOUNDED)) + WS_BYTES
+        size = len("".join(self.think_tags).encode()) + raw_string_bytes(min(chars, UNBOUNDED)) + WS_BYTES
         if think == "open":
             return f"{block} ws ", [body], size
         return f"({open_} {block})? ws ", [body], size
@@ -189,11 +193,10 @@ class Grammars:
             *rules,
         ])
 
-    @staticmethod
-    def _think_chars(think: str, left: int) -> int:
+    def _think_chars(self, think: str, left: int) -> int:
         if think == "none":
             return 0
-        return max(0, left - len("<think></think>".encode()) - WS_BYTES) // 4
+        return max(0, left - len("".join(self.think_tags).encode()) - WS_BYTES) // 4
 
     def tool_grammar(self, tools: Sequence[Mapping[str, Any]], fmt: str, think: str = "none",
                      parallel: bool = True, budget: int | None = None) -> str:
@@ -202,7 +205,10 @@ class Grammars:
         most generous ``LADDER`` rung that fits, at most ``MAX_CALLS`` calls (one without ``parallel``)."""
         if not tools:
             raise GrammarError("tool_choice asks for a tool call but no tool is given")
-        form = tool_format(fmt)
+        try:
+            form = tool_format(fmt)
+        except UnknownToolFormat as exc:
+            raise GrammarError(str(exc)) from exc
         if form is None:
             raise GrammarError(f"tool_choice needs the model's tool-call format; {fmt!r} has none")
         avail = (UNBOUNDED if budget is None else budget) - 1           # the stop token

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 from tandem_core.server.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldError, check
 from tandem_core.server.grammar import GrammarConstraint, GrammarError, Grammars, available
 from tandem_core.server.messages import check_messages
-from tandem_core.server.parse import think_open_at_end
+from tandem_core.server.parse import THINK_TAGS, think_open_at_end
 from tandem_core.server.template import TemplateError, render_chat
 from tandem_core.server.toolformat import tool_format
 from tandem_core.serving import Served
@@ -38,6 +38,7 @@ class ParseSpec:
     think_in_prompt: bool
     tools: list[dict[str, Any]] | None
     forced: bool = False    # a grammar forces the calls: a call's markup never becomes content
+    think_tags: tuple[str, str] = THINK_TAGS
 
 
 @dataclass
@@ -153,7 +154,7 @@ def prepare_chat(body: Mapping[str, Any], served: Served, max_context: int, gram
         raise FieldError("top_logprobs", "needs logprobs: true")
     top = (body.get("top_logprobs") or 0) if logprobs else None
     parallel = body.get("parallel_tool_calls", True) is not False
-    in_think = thinking and think_open_at_end(prompt)  # the template opened <think>: the output starts inside
+    in_think = thinking and think_open_at_end(prompt, served.think_tags)  # the template opened the block
     think = "none" if not thinking else ("open" if in_think else "maybe")
     constraint = _constraint(body, served, grammars, forced, think, parallel, max_new)
     rid = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -162,7 +163,8 @@ def prepare_chat(body: Mapping[str, Any], served: Served, max_context: int, gram
         decode=DecodeRequest(ids, max_new, _sampling(body, served, top), _stop_ids(served), _stops(body)),
         stream=bool(body.get("stream")), include_usage=_stream_options(body), logprobs=logprobs,
         parse=ParseSpec(served.tool_format if active_tools else "none", thinking, in_think,
-                        list(active_tools) if active_tools else None, forced=forced is not None),
+                        list(active_tools) if active_tools else None, forced=forced is not None,
+                        think_tags=served.think_tags),
         constraint=constraint, parallel_tool_calls=parallel, capped_from=capped,
     )
 

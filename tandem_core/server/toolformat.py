@@ -1,7 +1,18 @@
-"""Tool-call formats: how a model writes a call, as a grammar for forced calls and as text for the prompt.
+"""Tool-call formats: how a model writes a call, read as it streams, as a grammar for forced calls, as prompt text.
+
+A format is a plugin's: the hook ``tandem_tool_formats(register)`` registers it by name
+(``register(name, "module:Class")``; the core's ``hermes_json`` through ``tandem_core.default_tool_formats``,
+Qwen's ``qwen_xml`` through the Qwen plugin, LFM2's ``lfm2_pythonic`` through the LFM2 plugin). A
+model's ``Served.tool_format`` names one (or ``"none"``: the model writes no calls); the server finds it
+only through ``tool_format(name)``, and refuses at start a name nobody registered.
 
 A ``ToolFormat`` gives, for the OpenAI function tools of a request:
 
+- ``parser(tools, id_prefix=..., keep_malformed=...)``: a streaming parser of what the model writes
+  after any reasoning block (``feed(text)``, ``finish()`` -> ``tandem_core.server.parsing`` events:
+  content, and each call as ``ToolCallBegin``, ``ToolCallArgs`` deltas of its arguments as JSON text,
+  ``ToolCallEnd``; a call it cannot read as ``Malformed`` then its raw text as content, or dropped
+  when ``keep_malformed`` is False). The events must not depend on how the text is split.
 - ``call_rules(tools, lit, bounds)``: Lark rules defining the rule ``call`` (one call, from the
   opening tag to the closing one) and the most UTF-8 bytes one call can take under ``bounds``
   (``tandem_core.server.bounds``). Arguments follow each tool's schema, bounded, so a forced call
@@ -11,78 +22,99 @@ A ``ToolFormat`` gives, for the OpenAI function tools of a request:
   as the model writes them, for a chat template that never reads ``tool_calls``;
 - ``render_tools(tools)``: the system text that lists the tools and the format, for a chat
   template that never reads ``tools``.
-
-``hermes_json`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) and ``qwen_xml``
-(``<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>``) are the
-two the server knows; ``tool_format(name)`` looks one up.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Protocol, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
-from tandem_core.server.bounds import Bounds, json_rule, raw_string_bytes, tighten, worst_bytes
+from tandem_core.server.bounds import Bounds
 
-__all__ = ["ToolFormat", "HermesJson", "QwenXml", "FORMATS", "tool_format", "schema_types"]
+__all__ = [
+    "NO_CALLS", "CallParser", "Lit", "ToolFormat", "UnknownToolFormat", "known_formats", "lit_bytes",
+    "params_schema", "schema_types", "tool_format", "tool_lines",
+]
 
+NO_CALLS = "none"   # the name of no format: the model writes no calls
 Lit = Callable[[str], str]
+
+
+class CallParser(Protocol):
+    """A format's streaming parser for one output (after its reasoning block)."""
+
+    def feed(self, text: str) -> list[Any]: ...
+
+    def finish(self) -> list[Any]: ...
 
 
 class ToolFormat(Protocol):
     name: str
 
-    def call_rules(self, tools: Sequence[Mapping[str, Any]], lit: Lit, bounds: Bounds) -> tuple[list[str], int]: ...
+    def parser(self, tools: Sequence[Mapping[str, Any]] | None, *, id_prefix: str | None = None,
+               keep_malformed: bool = True) -> CallParser: ...
+
+    def call_rules(self, tools: Sequence[Mapping[str, Any]], lit: Lit,
+                   bounds: Bounds) -> tuple[list[str], int]: ...
 
     def render_calls(self, calls: Sequence[Mapping[str, Any]]) -> str: ...
 
     def render_tools(self, tools: Sequence[Mapping[str, Any]]) -> str: ...
 
 
-def _tool_lines(tools: Sequence[Mapping[str, Any]]) -> str:
+class UnknownToolFormat(ValueError):
+    """A model names a tool-call format no installed plugin registered."""
+
+
+_made: dict[tuple[str, str], ToolFormat] = {}
+_lock = threading.Lock()
+
+
+def known_formats() -> list[str]:
+    """The registered formats' names, sorted."""
+    from tandem_core.plugins import registries
+
+    return sorted(registries().tool_formats)
+
+
+def tool_format(name: str) -> ToolFormat | None:
+    """The format registered as ``name``; None for ``"none"`` (the model writes no calls).
+    ``UnknownToolFormat`` naming the known ones when no plugin registered it."""
+    from tandem_core.plugins import import_string, registries
+
+    if name == NO_CALLS:
+        return None
+    path = registries().tool_formats.get(name)
+    if path is None:
+        known = ", ".join([*known_formats(), NO_CALLS])
+        raise UnknownToolFormat(f"tool_format {name!r} is not registered by any installed plugin; "
+                                f"known: {known}")
+    with _lock:
+        made = _made.get((name, path))
+        if made is None:
+            obj = import_string(path)
+            made = obj() if isinstance(obj, type) else obj
+            _made[(name, path)] = made
+    return made
+
+
+# -- helpers a format's grammar and prompt text share ------------------------------------------------
+
+def tool_lines(tools: Sequence[Mapping[str, Any]]) -> str:
+    """Each tool as one line of JSON."""
     return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
 
 
-def _lit_bytes(text: str) -> int:
+def lit_bytes(text: str) -> int:
     return len(text.encode())
 
 
-def _params(fn: Mapping[str, Any]) -> dict[str, Any]:
+def params_schema(fn: Mapping[str, Any]) -> dict[str, Any]:
+    """A function's ``parameters`` schema (an empty object schema when it gives none)."""
     p = fn.get("parameters")
     return dict(p) if isinstance(p, Mapping) else {"type": "object", "properties": {}}
-
-
-class HermesJson:
-    """``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`` (Hermes, Qwen2.5, SmolLM...)."""
-
-    name = "hermes_json"
-
-    def call_rules(self, tools: Sequence[Mapping[str, Any]], lit: Lit, bounds: Bounds) -> tuple[list[str], int]:
-        variants = []
-        for t in tools:
-            fn = t["function"]
-            variants.append({"type": "object", "properties": {
-                "name": {"const": fn["name"]}, "arguments": _params(fn)},
-                "required": ["name", "arguments"], "additionalProperties": False})
-        body = tighten(variants[0] if len(variants) == 1 else {"anyOf": variants}, bounds)
-        open_, close = lit("<tool_call>"), lit("</tool_call>")
-        rules = [f"call: {open_} ws body ws {close}", "body: " + json_rule(body)]
-        return rules, _lit_bytes("<tool_call></tool_call>") + 4 + worst_bytes(body)
-
-    def render_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
-                "with function signatures within <tools></tools> XML tags:\n<tools>\n" + _tool_lines(tools) +
-                "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-                "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
-                "\"arguments\": <args-json-object>}\n</tool_call>")
-
-    def render_calls(self, calls: Sequence[Mapping[str, Any]]) -> str:
-        out = []
-        for c in calls:
-            fn = c.get("function") or {}
-            body = {"name": fn.get("name"), "arguments": fn.get("arguments")}
-            out.append("<tool_call>\n" + json.dumps(body, ensure_ascii=False) + "\n</tool_call>")
-        return "\n".join(out)
 
 
 def schema_types(schema: Any) -> set[str] | None:
@@ -116,76 +148,3 @@ def _json_type(v: Any) -> str:
     if isinstance(v, str):
         return "string"
     return "array" if isinstance(v, list) else "object"
-
-
-class QwenXml:
-    """``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>``
-    (Qwen3-Coder, Qwen3.5): a string value is raw text, any other value JSON."""
-
-    name = "qwen_xml"
-    _END = "\n</parameter>"
-
-    def call_rules(self, tools: Sequence[Mapping[str, Any]], lit: Lit, bounds: Bounds) -> tuple[list[str], int]:
-        rules, names, worst = [], [], 0
-        for i, t in enumerate(tools):
-            fn = t["function"]
-            params = tighten(_params(fn), bounds)
-            props = params.get("properties") or {}
-            required = set(params.get("required") or ())
-            head = f"<function={fn['name']}>\n"
-            seq, size = [], _lit_bytes(head + "</function>")
-            for j, (pname, pschema) in enumerate(props.items()):
-                opener = f"<parameter={pname}>\n"
-                value, vbytes = self._value(f"v{i}_{j}", pschema, bounds)
-                rules.extend(value)
-                rules.append(f"p{i}_{j}: " + json.dumps(opener, ensure_ascii=False) + f" v{i}_{j} \"\\n\"")
-                seq.append(f"p{i}_{j}" + ("" if pname in required else "?"))
-                size += _lit_bytes(opener) + vbytes + _lit_bytes(self._END) + 1
-            names.append(f"f{i}")
-            rules.append(f"f{i}: " + json.dumps(head, ensure_ascii=False) + f" {' '.join(seq)} \"</function>\"")
-            worst = max(worst, size)
-        open_, close = lit("<tool_call>"), lit("</tool_call>")
-        rules.append(f"call: {open_} ws ({' | '.join(names)}) ws {close}")
-        return rules, _lit_bytes("<tool_call></tool_call>") + 4 + worst
-
-    def _value(self, rule: str, schema: Any, bounds: Bounds) -> tuple[list[str], int]:
-        """A parameter's value then ``\\n</parameter>``: raw text for a string, else JSON by its schema."""
-        end = json.dumps(self._END)
-        types = schema_types(schema) or {"string"}
-        values = list(schema.get("enum") or ()) + ([schema["const"]] if "const" in schema else []) \
-            if isinstance(schema, Mapping) else []
-        if values and all(isinstance(v, str) for v in values):
-            alts = " | ".join(json.dumps(v, ensure_ascii=False) for v in values)
-            return [f"{rule}: ({alts}) {end}"], max(_lit_bytes(v) for v in values)
-        if "string" in types and not values:
-            s = schema if isinstance(schema, Mapping) else {}
-            lo, chars = int(s.get("minLength", 0)), int(s.get("maxLength", bounds.string))
-            return [f"{rule}[suffix={end}]: /(?s:.{{{lo},{chars}}})/"], raw_string_bytes(chars)
-        return [f"{rule}: {json_rule(schema)} {end}"], worst_bytes(schema)
-
-    def render_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return ("# Tools\n\nYou have access to the following functions:\n\n<tools>\n" + _tool_lines(tools) +
-                "\n</tools>\n\nIf you choose to call a function, reply in the following format:\n<tool_call>\n"
-                "<function=example_function_name>\n<parameter=example_parameter>\nvalue\n</parameter>\n"
-                "</function>\n</tool_call>")
-
-    def render_calls(self, calls: Sequence[Mapping[str, Any]]) -> str:
-        out = []
-        for c in calls:
-            fn = c.get("function") or {}
-            args = fn.get("arguments")
-            lines = [f"<function={fn.get('name')}>"]
-            for k, v in (args.items() if isinstance(args, Mapping) else ()):
-                text = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-                lines += [f"<parameter={k}>", text, "</parameter>"]
-            lines.append("</function>")
-            out.append("<tool_call>\n" + "\n".join(lines) + "\n</tool_call>")
-        return "\n".join(out)
-
-
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesJson(), QwenXml())}
-
-
-def tool_format(name: str) -> ToolFormat | None:
-    """The format named ``name``, or None (``"none"``: the model writes no calls)."""
-    return FORMATS.get(name)

@@ -5,7 +5,8 @@ layout and audit: nothing loaded yet), ``weights`` (every tensor but the PLE tab
 memory-mapped; ``ctx.progress`` per tensor), ``engine`` (the core's ``SequenceEngine`` over a
 ``FlashNextRunner`` with buffers for ``max_context``), ``tokenizer`` (tokenizer.json and the chat
 template). The model writes a ``<think>`` block (``reasoning``) and tool calls in Qwen's XML form
-(``tool_format="qwen_xml"``). ``spawn`` builds another engine over the same weight objects with its
+(``tool_format="qwen_xml"``, the format the Qwen plugin registers; ``tandem-qwen38`` is a
+dependency). ``spawn`` builds another engine over the same weight objects with its
 own buffers. Options read: ``prefill_chunk`` (default the ``FLASHNEXT_PREFILL_CHUNK`` setting) and
 ``max_tree`` (the widest verify, default 64).
 

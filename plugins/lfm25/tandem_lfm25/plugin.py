@@ -1,5 +1,6 @@
-"""The plugin's hooks: the ``lfm2_moe`` and ``lfm2`` architectures, the plugin's settings and its registry entries
-(``tandem_lfm25/registry/models/<id>/model.yaml``). Imports no torch."""
+"""The plugin's hooks: the ``lfm2_moe`` and ``lfm2`` architectures, LFM2's tool-call format (``lfm2_pythonic``),
+the plugin's settings and its registry entries (``tandem_lfm25/registry/models/<id>/model.yaml``). Imports no
+torch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from tandem_core.plugins import hookimpl, settings_hook
 from tandem_core.registry import Arch
 from tandem_core.settings import Setting
 
-__all__ = ["ARCHES", "SETTINGS_DECLARED", "tandem_architectures", "tandem_model_entries", "tandem_settings"]
+__all__ = ["ARCHES", "SETTINGS_DECLARED", "tandem_architectures", "tandem_model_entries", "tandem_settings",
+           "tandem_tool_formats"]
 
 
 def _arch(name: str, architecture: str) -> Arch:
@@ -35,6 +37,11 @@ SETTINGS_DECLARED = (
 def tandem_architectures(register: Callable[[Arch], None]) -> None:
     for arch in ARCHES:
         register(arch)
+
+
+@hookimpl
+def tandem_tool_formats(register: Callable[[str, str], None]) -> None:
+    register("lfm2_pythonic", "tandem_lfm25.toolformat:Lfm2Pythonic")
 
 
 @hookimpl

@@ -6,9 +6,9 @@ core's ``SequenceEngine`` over the runner, buffers for ``max_context``), ``token
 the chat template: the checkpoint's own, else the plugin's ``chat_template.jinja``, LFM2.5's format).
 
 The model writes no reasoning block. Its tool calls are LFM2's Pythonic list between
-``<|tool_call_start|>`` and ``<|tool_call_end|>`` (``tandem_lfm25.toolcall``, ``toolformat``), a format
-the server's parser does not read until formats register through a hook: until then ``tool_format``
-is ``"none"`` and a call reaches the client as the text the model wrote.
+``<|tool_call_start|>`` and ``<|tool_call_end|>``: ``tool_format="lfm2_pythonic"``, the format this
+plugin registers (``tandem_lfm25.toolformat.Lfm2Pythonic``: the parser in ``toolcall``, the grammar of
+a forced call, the prompt text).
 
 ``spawn`` builds another engine over the same weight objects with its own buffers. Options read:
 ``prefill_chunk`` (default the ``LFM25_PREFILL_CHUNK`` setting; 0 there: 512 on the CPU, 8192 on CUDA) and
@@ -113,7 +113,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         engine=engine,
         tokenizer=tokenizer,
         chat_template=template,
-        tool_format="none",
+        tool_format="lfm2_pythonic",
         reasoning=False,
         think_in_prompt=False,
         stop_ids=stop_ids,

@@ -37,7 +37,7 @@ import json
 import secrets
 from typing import Any, Callable, Mapping, Sequence
 
-from tandem_core.server.parse import Content, Event, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd
+from tandem_core.server.parsing.events import Content, Event, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd
 
 from tandem_lfm25.pyliteral import QUOTES, LiteralError, StringDecoder, literal
 
@@ -125,10 +125,13 @@ _OUT, _OPEN, _NAME, _ARG, _STRING, _VALUE, _ARG_SEP, _AFTER_CALL, _CLOSE, _PASS 
 
 class Lfm2CallParser:
     """Events for one generation's text (see the module docstring). ``tools``: the request's tools (OpenAI
-    form) or None; ``id_prefix``: call ids are ``call_<id_prefix>_<index>`` (random when None)."""
+    form) or None; ``id_prefix``: call ids are ``call_<id_prefix>_<index>`` (random when None);
+    ``keep_malformed`` False (a call a grammar forced): a malformed call's raw text is dropped, not content."""
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None, *, id_prefix: str | None = None) -> None:
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None, *, id_prefix: str | None = None,
+                 keep_malformed: bool = True) -> None:
         self._schemas = parameter_types(tools)
+        self._keep_malformed = keep_malformed
         self._prefix = id_prefix if id_prefix is not None else secrets.token_hex(6)
         self._buf = ""
         self._done = False
@@ -495,6 +498,6 @@ class Lfm2CallParser:
         return self._goto(_PASS)
 
     def _raw_content(self, out: list[Event], text: str) -> None:
-        if text:
+        if text and self._keep_malformed:
             self._lead = False
             self._push(out, Content(text))

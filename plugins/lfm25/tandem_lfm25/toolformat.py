@@ -1,11 +1,16 @@
-"""LFM2's tool-call format as text and as a grammar: ``<|tool_call_start|>[f(a="x", n=3)]<|tool_call_end|>``.
+"""LFM2's tool-call format, ``lfm2_pythonic``: ``<|tool_call_start|>[f(a="x", n=3)]<|tool_call_end|>``.
+
+``Lfm2Pythonic`` is the format the plugin registers through ``tandem_tool_formats`` (``plugin.py``):
+its ``parser`` is ``tandem_lfm25.toolcall.Lfm2CallParser``; ``call_rules`` the bounded grammar of one
+forced call (``tandem_core.server.bounds``: the arguments' free parts limited so the call closes within
+the request's budget); ``render_calls`` and ``render_tools`` below.
 
 - ``render_calls(calls)``: an assistant's OpenAI ``tool_calls`` (arguments as objects) written as
   the plugin's chat template writes them (``chat_template.jinja``): strings double-quoted (a JSON
   string is a Python string literal), ``True``/``False``/``None``, numbers, lists and dicts as JSON
   (which LFM2 reads and ``Lfm2CallParser`` parses);
 - ``render_tools(tools)``: the system prompt's ``List of tools: [...]`` (the functions as JSON);
-- ``call_grammar(tools, lit, parallel)``: Lark (llguidance) for a forced call: the call markers,
+- ``call_grammar(tools, lit, parallel)``: Lark (llguidance) for a forced call, unbounded: the call markers,
   one call (or a list of them when ``parallel``) of the given tools, keyword arguments in the
   schema's order, required ones always and optional ones at most once, each value typed by its
   schema: a string or a number as ``%json`` of its schema (both are Python literals), a boolean as
@@ -21,9 +26,12 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Mapping, Sequence
 
-from tandem_lfm25.toolcall import CALL_END, CALL_START
+from tandem_core.server.bounds import Bounds, tighten, worst_bytes
+from tandem_core.server.toolformat import lit_bytes, params_schema
 
-__all__ = ["NAME", "render_calls", "render_tools", "call_grammar", "py_value"]
+from tandem_lfm25.toolcall import CALL_END, CALL_START, Lfm2CallParser
+
+__all__ = ["NAME", "Lfm2Pythonic", "render_calls", "render_tools", "call_grammar", "py_value"]
 
 NAME = "lfm2_pythonic"
 Lit = Callable[[str], str]
@@ -113,26 +121,61 @@ def _joined(items: list[tuple[str, bool]]) -> str:
     return head(0)
 
 
-def call_grammar(tools: Sequence[Mapping[str, Any]], lit: Lit, parallel: bool = True) -> list[str]:
-    """Lark rules defining ``call``: one block of calls of ``tools`` (OpenAI function tools), markers included."""
+def _functions(tools: Sequence[Mapping[str, Any]], bounds: Bounds | None) -> tuple[list[str], list[str], int]:
+    """(Lark rules, the rule of each function's call, the most UTF-8 bytes one call takes) for ``tools``; each
+    function's parameters ``tighten``-ed by ``bounds`` (None: as the schema gives them; then the size is 0)."""
     if not tools:
         raise ValueError("a forced tool call needs at least one tool")
-    rules, names = [], []
+    rules, names, worst = [], [], 0
     for i, tool in enumerate(tools):
         fn = tool.get("function", tool)
-        params = fn.get("parameters") if isinstance(fn.get("parameters"), Mapping) else {}
+        params = params_schema(fn) if bounds is None else tighten(params_schema(fn), bounds)
         props = params.get("properties") if isinstance(params.get("properties"), Mapping) else {}
         required = set(params.get("required") or ())
-        items = []
+        items, size = [], lit_bytes(f"{fn['name']}()")
         for j, (pname, pschema) in enumerate(props.items()):
             rules.extend(_value_rule(f"v{i}_{j}", pschema))
             rules.append(f"a{i}_{j}: " + json.dumps(f"{pname}=", ensure_ascii=False) + f" v{i}_{j}")
             items.append((f"a{i}_{j}", pname in required))
+            if bounds is not None:
+                size += lit_bytes(f", {pname}=") + worst_bytes(pschema)   # True/False/None: as long as JSON's
         args = _joined(items)
         rules.append(f"f{i}: " + json.dumps(f"{fn['name']}(", ensure_ascii=False) + (f" {args}" if args else "")
                      + ' ")"')
         names.append(f"f{i}")
+        worst = max(worst, size)
+    return rules, names, worst
+
+
+def call_grammar(tools: Sequence[Mapping[str, Any]], lit: Lit, parallel: bool = True) -> list[str]:
+    """Lark rules defining ``call``: one block of calls of ``tools`` (OpenAI function tools), markers included."""
+    rules, names, _ = _functions(tools, None)
     rules.append("one_call: " + " | ".join(names))
     calls = 'one_call (", " one_call)*' if parallel else "one_call"
     rules.append(f'call: {lit(CALL_START)} "[" {calls} "]" {lit(CALL_END)}')
     return rules
+
+
+class Lfm2Pythonic:
+    """LFM2's format as the server uses it: the streaming parser, the forced call's grammar, the prompt text."""
+
+    name = NAME
+
+    def parser(self, tools: Sequence[Mapping[str, Any]] | None, *, id_prefix: str | None = None,
+               keep_malformed: bool = True) -> Lfm2CallParser:
+        return Lfm2CallParser(tools, id_prefix=id_prefix, keep_malformed=keep_malformed)
+
+    def call_rules(self, tools: Sequence[Mapping[str, Any]], lit: Lit, bounds: Bounds) -> tuple[list[str], int]:
+        """``call``: one block holding one call of ``tools``, its arguments bounded; several forced calls are
+        several blocks (the parser reads each). The size counts the markers as text (a special token is one
+        token, its text several bytes: an overestimate)."""
+        rules, names, worst = _functions(tools, bounds)
+        rules.append("one_call: " + " | ".join(names))
+        rules.append(f'call: {lit(CALL_START)} "[" one_call "]" {lit(CALL_END)}')
+        return rules, lit_bytes(CALL_START + "[]" + CALL_END) + worst
+
+    def render_calls(self, calls: Sequence[Mapping[str, Any]]) -> str:
+        return render_calls(calls)
+
+    def render_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        return render_tools(tools)

@@ -1,4 +1,5 @@
-"""The plugin's hooks: the ``qwen3_5`` architecture and the plugin's settings. Imports no torch."""
+"""The plugin's hooks: the ``qwen3_5`` architecture, Qwen's ``qwen_xml`` tool-call format and the plugin's
+settings. Imports no torch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from tandem_core.plugins import hookimpl, settings_hook
 from tandem_core.registry import Arch
 from tandem_core.settings import Setting
 
-__all__ = ["ARCH", "SETTINGS_DECLARED", "tandem_architectures", "tandem_settings"]
+__all__ = ["ARCH", "SETTINGS_DECLARED", "tandem_architectures", "tandem_settings", "tandem_tool_formats"]
 
 ARCH = Arch(
     name="qwen3_5",
@@ -32,6 +33,11 @@ SETTINGS_DECLARED = (
 @hookimpl
 def tandem_architectures(register: Callable[[Arch], None]) -> None:
     register(ARCH)
+
+
+@hookimpl
+def tandem_tool_formats(register: Callable[[str, str], None]) -> None:
+    register("qwen_xml", "tandem_qwen38.toolformat:QwenXml")
 
 
 tandem_settings = settings_hook(*SETTINGS_DECLARED)
