@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         f"the target's)",
         f"- context {args.context} tokens; median of {args.rounds} rounds; a round's capture reads the "
         f"committed tokens' rows (accepted + the pending one), its launch runs `depth` chained head steps "
-        f"and reads the top two a depth; `ms a head step` divides by the head calls (depth, plus the capture's when it runs)",
+        f"and reads the top two a depth; `ms a head step` divides by the head calls (depth, plus the "
+        f"capture's when it runs)",
     ]
     print("\n".join(about + [""] + lines))
     if args.out:
