@@ -143,6 +143,29 @@ def test_the_drafters_drafts_equal_the_reference_through_a_round(qwen38_ckpts):
     check(q, 9)
 
 
+def test_an_engine_refuses_a_head_that_does_not_fit_its_target(qwen38_ckpts):
+    from tandem_core.engine import SequenceEngine
+
+    eng = load_engine(qwen38_ckpts.mtp.path)
+    head = eng.mtp_head()
+
+    class Misfit:
+        layers, reads, max_context = 1, None, head.max_context
+        run, views, memory_parts = head.run, head.views, head.memory_parts
+
+        def __init__(self, width: int, reads: int | None = None, max_context: int | None = None) -> None:
+            self.width, self.reads = width, reads
+            if max_context is not None:
+                self.max_context = max_context
+
+    with pytest.raises(ValueError, match=r"reads rows of 32 features, the target's hidden states have 64"):
+        SequenceEngine(eng.runner, name="qwen3_5", head=Misfit(32))
+    with pytest.raises(ValueError, match=r"reads layer 9, which cannot be tapped"):
+        SequenceEngine(eng.runner, name="qwen3_5", head=Misfit(64, reads=9))
+    with pytest.raises(ValueError, match=r"holds 16 positions, the engine 256"):
+        SequenceEngine(eng.runner, name="qwen3_5", head=Misfit(64, max_context=16))
+
+
 def test_a_target_without_a_head_is_refused_by_name(qwen38_ckpts):
     eng = load_engine(qwen38_ckpts.text.path)
     target = TargetInfo.of(eng.caps, tokenizer=None, vocab_size=VOCAB, engine=eng, name="tiny")
