@@ -126,6 +126,11 @@ class SequenceEngine:
         # the MTP head's rows: None after a forward (all rows), a commit's path, or () (none: state changed)
         self._appended: tuple[int, ...] | None = ()
         self._appended_start = 0
+        # the head's rows of consecutive prefill forwards (a prompt run in chunks with safe points between
+        # them), until the drafter takes them: positions _appended_start .. + _head_count - 1
+        self._head_rows: list[torch.Tensor] = []
+        self._head_count = 0
+        self._taken = False
         if head is not None:
             self._check_head(head)
             if head.reads is not None:
@@ -201,6 +206,7 @@ class SequenceEngine:
             self._pending.kept.append(kept)
         self._state.length = tree.start + len(idx)
         self._appended, self._appended_start = tuple(idx), tree.start
+        self._head_rows, self._head_count = [], 0
 
     @torch.inference_mode()
     def rollback_to(self, n: int) -> None:
@@ -262,16 +268,23 @@ class SequenceEngine:
 
     def appended_rows(self) -> tuple[int, torch.Tensor]:
         """``(start, rows [T, D])``: what the MTP head reads (``hidden_post_norm`` or the tapped layer
-        ``head.reads``) of the tokens the last ``forward`` or ``commit_tree`` appended, at positions
-        ``start ..``; tokens taken back since are cut off; ``(length, [0, D])`` after a reset, a restore, a
-        resume, or when the last call was a verify not yet committed. Valid until the next forward."""
+        ``head.reads``) of the tokens the last ``forward`` or ``commit_tree`` appended (a prompt forwarded in
+        several calls, each of two tokens or more, counts as one forward until these rows are taken), at
+        positions ``start ..``; tokens taken back since are cut off; ``(length, [0, D])`` after a reset, a
+        restore, a resume, or when the last call was a verify not yet committed. Valid until the next
+        forward."""
         head = self.mtp_head()
         n = self.kv.length
         picked = self._appended
         if picked == () or self._tree is not None:
             return n, self._empty_rows(head)
-        rows = self.hidden_post_norm() if head.reads is None else self.hidden_at(head.reads)
-        if picked is not None:
+        self._taken = True
+        if picked is None:
+            if len(self._head_rows) > 1:
+                self._head_rows = [torch.cat(self._head_rows)]
+            rows = self._head_rows[0]
+        else:
+            rows = self.hidden_post_norm() if head.reads is None else self.hidden_at(head.reads)
             rows = rows.index_select(0, torch.tensor(picked, dtype=torch.long, device=rows.device))
         start = self._appended_start
         keep = max(0, min(rows.shape[0], n - start))
@@ -405,7 +418,12 @@ class SequenceEngine:
         self.settle()
         self._tree = None
         self._clear_rows()
-        self._appended, self._appended_start = None, n
+        # a prompt's next chunk continues the rows the head has not taken yet; anything else starts afresh
+        follows = (self._head is not None and self._appended is None and not self._taken
+                   and self._head_count >= 2 and self._appended_start + self._head_count == n)
+        if not follows:
+            self._appended_start, self._head_rows, self._head_count = n, [], 0
+        self._appended, self._taken = None, False
         logits: list[torch.Tensor] = []
         chunk = self.caps.prefill_chunk
         for s in range(0, T, chunk):
@@ -420,6 +438,10 @@ class SequenceEngine:
             self._got(rows)
             if rows.logits is not None and (all_logits or s + chunk >= T):
                 logits.append(rows.logits if all_logits else rows.logits[-1:])
+        if self._head is not None:
+            self._head_rows.append(self.hidden_post_norm() if self._head.reads is None
+                                   else self.hidden_at(self._head.reads))
+            self._head_count += T
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     @torch.inference_mode()
@@ -451,6 +473,7 @@ class SequenceEngine:
         self._tree = None
         self._pending = None
         self._appended = ()
+        self._head_rows, self._head_count = [], 0
 
     def __repr__(self) -> str:
         c = self.caps

@@ -143,6 +143,24 @@ def test_the_drafters_drafts_equal_the_reference_through_a_round(qwen38_ckpts):
     check(q, 9)
 
 
+def test_a_prompt_prefilled_in_chunks_with_safe_points_between_gives_the_head_every_row(qwen38_ckpts):
+    """The server runs a long prompt in prefill chunks with a safe point between them (the side lane may
+    serve there); the engine keeps the head's rows of every chunk until the drafter takes them."""
+    from tandem_core.spec.loop import prefill
+
+    model, head = qwen38_ckpts.text.model, qwen38_ckpts.head
+    eng = load_engine(qwen38_ckpts.mtp.path, prefill_chunk=8)
+    drafter = build_drafter("mtp", TargetInfo.of(eng.caps, tokenizer=None, vocab_size=VOCAB, engine=eng))
+    p = prompt(30, VOCAB, seed=21).tolist()
+    stops = []
+    prefill(eng, p, between=lambda: stops.append(eng.kv.length))
+    assert stops == [8, 16, 24]                   # four forwards: three of 8 tokens, then the last 6
+    drafter.begin(p)
+    drafter.propose([*p, 4], 8)
+    hidden = target_hidden(model, torch.tensor(p))
+    assert_drafts(drafter.read(), reference_drafts(head, torch.tensor([*p[1:], 4]), hidden, 3))
+
+
 def test_an_engine_refuses_a_head_that_does_not_fit_its_target(qwen38_ckpts):
     from tandem_core.engine import SequenceEngine
 
