@@ -10,8 +10,8 @@ head's own KV rows true for the sequence and proposes:
     depth        chained head steps a round (``depth`` option, default 3)
     prime        a new sequence (``begin``): the rows of the common prefix with the last one are kept
     capture      after a forward or a commit (``accepted``, and the first round): the target's rows of the
-                 appended tokens (``engine.appended_rows()``, from the forward or the verify that computed
-                 them: no extra target pass) -> the head's rows for every position whose next token is
+                 appended tokens (``engine.appended_rows()``, from the forwards or the verify that computed
+                 them: no extra target pass; a prompt's prefill chunks come as one) -> the head's rows for every position whose next token is
                  known; the last position's row waits for its next token
     launch       the round's pending token -> the last position's row (depth 1) and ``depth - 1`` chained
                  steps, each from the previous step's top token and output row
@@ -26,9 +26,9 @@ the head's probability given its parent's path (the cut weighs them). The head's
 (the deeper steps') are scratch: a later capture rewrites them.
 
 The head's rows are the drafter's, not the engine's state: the caches neither save nor restore them.
-Where a forward skipped positions (a prefix restored from a cache that the head did not see on this
-engine, or prefill chunks run with safe points between them), those rows keep what they held and the
-head attends to them as they are: its drafts get worse there, never the answer (the target decides
+Where the target never computed positions on this engine (a prefix restored from a cache tier this
+engine's head did not see; a prompt run in chunks still reaches the head whole, and a prefix it saw in
+an earlier turn stays), those rows keep what they held and the head attends to them as they are: its drafts get worse there, never the answer (the target decides
 every token). On random weights a head's drafts are essentially never accepted: its worth can only be
 measured on a trained checkpoint; ``tools/bench_mtp.py`` measures its cost a round.
 """
