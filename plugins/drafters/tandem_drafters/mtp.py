@@ -153,16 +153,17 @@ class MTPDrafter:
         self._last = rows[end - start:end - start + 1].clone()
 
     @torch.inference_mode()
-    def launch(self, token: int) -> bool:
+    def launch(self, token: int, depth: int | None = None) -> bool:
         """The round's pending ``token`` (the one after the last captured position): depth 1 from the waiting
-        row, then ``depth - 1`` chained steps. False when no target row is waiting (nothing to draft from)."""
+        row, then ``depth - 1`` chained steps (``depth``: this round's, at most the drafter's). False when no
+        target row is waiting (nothing to draft from)."""
         if self._last is None:
             return False
         at, layers = self._valid, max(1, int(self.head.layers))
         tok = torch.tensor([int(token)], dtype=torch.long, device=self._device)
         hidden = self._last
         tokens, probs = [], []
-        for k in range(self.depth):
+        for k in range(self.depth if depth is None else max(1, min(self.depth, int(depth)))):
             if at + k >= self.head.max_context:
                 break
             out = self.head.run(tok, hidden, at + k, layer=k % layers)
@@ -194,7 +195,7 @@ class MTPDrafter:
             self.prime(context_ids[:held])
         if self._last is None or self._valid != held - 1:
             self.capture()                # the first round: the prefill's rows
-        if self._valid != held - 1 or not self.launch(int(context_ids[-1])):
+        if self._valid != held - 1 or not self.launch(int(context_ids[-1]), depth=max_nodes):
             return Proposal.empty(self.name)
         return self.tree(self.read(), max_nodes)
 

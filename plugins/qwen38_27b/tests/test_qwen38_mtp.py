@@ -184,6 +184,19 @@ def test_an_engine_refuses_a_head_that_does_not_fit_its_target(qwen38_ckpts):
         SequenceEngine(eng.runner, name="qwen3_5", head=Misfit(64, max_context=16))
 
 
+def test_the_proposal_branches_where_the_top_token_is_unsure(qwen38_ckpts):
+    from tandem_drafters.mtp import Draft, MTPDrafter
+
+    drafter = MTPDrafter(engine=load_engine(qwen38_ckpts.mtp.path), depth=3)      # branch_below 0.75
+    draft = Draft(torch.tensor([[10, 11], [20, 21], [30, 31]]),
+                  torch.tensor([[0.9, 0.05], [0.5, 0.3], [0.95, 0.01]]))
+    p = drafter.tree(draft, 16)
+    assert p.tokens == (10, 20, 21, 30) and p.parents == (-1, 0, 0, 1)
+    assert p.probs == pytest.approx((0.9, 0.5, 0.3, 0.95))
+    cut = drafter.tree(draft, 3)                                   # max_nodes: a prefix, parents first
+    assert cut.tokens == (10, 20, 21) and cut.parents == (-1, 0, 0)
+
+
 def test_a_target_without_a_head_is_refused_by_name(qwen38_ckpts):
     eng = load_engine(qwen38_ckpts.text.path)
     target = TargetInfo.of(eng.caps, tokenizer=None, vocab_size=VOCAB, engine=eng, name="tiny")
