@@ -253,12 +253,15 @@ def test_a_head_the_config_counts_otherwise_is_refused(mtp_copy):
         open_checkpoint(mtp_copy, read_config(raw))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7)],
-                         ids=["greedy", "seeded"])
-def test_speculative_decoding_with_mtp_equals_plain(qwen38_ckpts, params):
+@pytest.mark.parametrize("names, params", [
+    (("mtp",), SamplingParams(temperature=0.0)),
+    (("mtp",), SamplingParams(temperature=0.8, seed=7)),
+    (("lookup", "mtp"), SamplingParams(temperature=0.0)),
+], ids=["greedy", "seeded", "merged-with-lookup"])
+def test_speculative_decoding_with_mtp_equals_plain(qwen38_ckpts, names, params):
     spec_engine, plain_engine = load_engine(qwen38_ckpts.mtp.path), load_engine(qwen38_ckpts.mtp.path)
     target = TargetInfo.of(spec_engine.caps, tokenizer=None, vocab_size=VOCAB, engine=spec_engine)
-    spec = Speculation([build_drafter("mtp", target)], StairCut(flat_prices(), max_tree=8), 8)
+    spec = Speculation([build_drafter(n, target) for n in names], StairCut(flat_prices(), max_tree=8), 8)
     rounds = drafted = 0
     for seed in range(4):
         req = DecodeRequest(prompt(10 + 3 * seed, VOCAB - 8, seed=seed).tolist(), 20, params)
