@@ -2,7 +2,8 @@
 (``tests/mtp_reference_qwen38.py``: vLLM's published Qwen3.5 MTP design on transformers' own modules, since
 transformers drops ``mtp.*``), on a tiny random head in the ``mtp.*`` layout written as its own shard: the
 head's rows in both forms, the drafter's drafts after a prefill, a committed tree path and a plain step, a
-malformed head refused by name, and speculative decoding with ``mtp`` equal to plain decoding."""
+malformed head refused by name, and speculative decoding with ``mtp`` (alone, and merged with ``lookup``)
+equal to plain decoding, in the engine and through a real server."""
 
 from __future__ import annotations
 
