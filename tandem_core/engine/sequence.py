@@ -127,8 +127,10 @@ class SequenceEngine:
         self._appended: tuple[int, ...] | None = ()
         self._appended_start = 0
         # the head's rows of consecutive prefill forwards (a prompt run in chunks with safe points between
-        # them), until the drafter takes them: positions _appended_start .. + _head_count - 1
+        # them), until the drafter takes them: positions _appended_start .. + _head_count - 1, the earlier
+        # calls' copied (_head_rows), the last call's as the runner returned them (_head_last)
         self._head_rows: list[torch.Tensor] = []
+        self._head_last: torch.Tensor | None = None
         self._head_count = 0
         self._taken = False
         if head is not None:
@@ -206,7 +208,7 @@ class SequenceEngine:
             self._pending.kept.append(kept)
         self._state.length = tree.start + len(idx)
         self._appended, self._appended_start = tuple(idx), tree.start
-        self._head_rows, self._head_count = [], 0
+        self._head_rows, self._head_last, self._head_count = [], None, 0
 
     @torch.inference_mode()
     def rollback_to(self, n: int) -> None:
@@ -280,9 +282,9 @@ class SequenceEngine:
             return n, self._empty_rows(head)
         self._taken = True
         if picked is None:
-            if len(self._head_rows) > 1:
-                self._head_rows = [torch.cat(self._head_rows)]
-            rows = self._head_rows[0]
+            if self._head_last is None:
+                return n, self._empty_rows(head)
+            rows = torch.cat([*self._head_rows, self._head_last]) if self._head_rows else self._head_last
         else:
             rows = self.hidden_post_norm() if head.reads is None else self.hidden_at(head.reads)
             rows = rows.index_select(0, torch.tensor(picked, dtype=torch.long, device=rows.device))
@@ -422,7 +424,9 @@ class SequenceEngine:
         follows = (self._head is not None and self._appended is None and not self._taken
                    and self._head_count >= 2 and self._appended_start + self._head_count == n)
         if not follows:
-            self._appended_start, self._head_rows, self._head_count = n, [], 0
+            self._appended_start, self._head_rows, self._head_last, self._head_count = n, [], None, 0
+        elif self._head_last is not None:   # maybe a view of the runner's buffers, which its next call reuses
+            self._head_rows.append(self._head_last.clone())
         self._appended, self._taken = None, False
         logits: list[torch.Tensor] = []
         chunk = self.caps.prefill_chunk
@@ -439,8 +443,8 @@ class SequenceEngine:
             if rows.logits is not None and (all_logits or s + chunk >= T):
                 logits.append(rows.logits if all_logits else rows.logits[-1:])
         if self._head is not None:
-            self._head_rows.append(self.hidden_post_norm() if self._head.reads is None
-                                   else self.hidden_at(self._head.reads))
+            self._head_last = (self.hidden_post_norm() if self._head.reads is None
+                               else self.hidden_at(self._head.reads))
             self._head_count += T
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
@@ -473,7 +477,7 @@ class SequenceEngine:
         self._tree = None
         self._pending = None
         self._appended = ()
-        self._head_rows, self._head_count = [], 0
+        self._head_rows, self._head_last, self._head_count = [], None, 0
 
     def __repr__(self) -> str:
         c = self.caps
