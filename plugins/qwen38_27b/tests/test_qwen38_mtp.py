@@ -162,6 +162,34 @@ def test_a_prompt_prefilled_in_chunks_with_safe_points_between_gives_the_head_ev
     assert_drafts(drafter.read(), reference_drafts(head, torch.tensor([*p[1:], 4]), hidden, 3))
 
 
+def test_the_appended_rows_follow_the_engine(qwen38_ckpts):
+    """A forward's rows, a commit's path rows, a trim cutting them, nothing after a verify not committed
+    or a state restore (the side lane's), nothing after a reset."""
+    from tandem_core.engine import restore_state
+
+    eng = load_engine(qwen38_ckpts.mtp.path)
+    ids = prompt(12, VOCAB, seed=8)
+    eng.forward(ids)
+    start, rows = eng.appended_rows()
+    assert start == 0 and torch.equal(rows, eng.hidden_post_norm())
+    eng.forward_tree(torch.tensor([3, 4, 5, 6]), torch.tensor([-1, 0, 0, 2]))
+    assert eng.appended_rows()[1].shape[0] == 0                 # a verify appends nothing until its commit
+    verified = eng.hidden_post_norm().clone()
+    eng.commit_tree([0, 2, 3])
+    start, rows = eng.appended_rows()
+    assert start == 12 and torch.equal(rows, verified[[0, 2, 3]])
+    eng.trim_pending(1)
+    start, rows = eng.appended_rows()
+    assert start == 12 and torch.equal(rows, verified[[0, 2]])
+    snap = eng.state.clone()
+    restore_state(eng, snap)
+    start, rows = eng.appended_rows()
+    assert start == 14 and rows.shape == (0, 64)
+    eng.reset()
+    start, rows = eng.appended_rows()
+    assert start == 0 and rows.shape == (0, 64)
+
+
 def test_an_engine_refuses_a_head_that_does_not_fit_its_target(qwen38_ckpts):
     from tandem_core.engine import SequenceEngine
 
