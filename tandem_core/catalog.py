@@ -12,18 +12,29 @@ what to download.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
 from tandem_core.settings import SETTINGS
 
 __all__ = [
-    "SCHEMA_PATH", "RegistryError", "ModelNotFound", "Entry", "entries", "entry", "default_entry", "schema",
-    "check_entry", "check", "resolve", "home",
+    "SCHEMA_PATH",
+    "Entry",
+    "ModelNotFound",
+    "RegistryError",
+    "check",
+    "check_entry",
+    "default_entry",
+    "entries",
+    "entry",
+    "home",
+    "resolve",
+    "schema",
 ]
 
 SHIPPED = Path(str(files("tandem_core").joinpath("shipped")))   # models/, prices/, schema/ inside the package
@@ -158,6 +169,17 @@ def check_entry(e: Entry, repo_root: Path | None = None) -> list[str]:
         root = repo_root or _checkout()
         if root is not None and not (root / d["docs"]).exists():
             problems.append(f"{e.path}: docs link {d['docs']!r} is not there")
+    for name, spec in (d.get("drafters") or {}).items():
+        src = spec["source"]
+        if src["kind"] == "registry":
+            folder = e.path.parent / src["path"]
+            for fname, f in spec["files"].items():
+                path = folder / fname
+                if not path.is_file():
+                    problems.append(f"{e.path}: drafter {name!r} file {path} is not there")
+                elif path.stat().st_size != f["bytes"]:
+                    problems.append(f"{e.path}: drafter {name!r} file {fname} is {path.stat().st_size} bytes, the "
+                                    f"entry says {f['bytes']}")
     numbers = _number_paths(d)
     sources = d.get("sources", {})
     for path in numbers:
@@ -186,7 +208,7 @@ def _number_paths(d: dict[str, Any]) -> list[str]:
                 walk(v, f"{path}.{key}")
 
     for k, v in d.items():
-        if k not in ("schema", "sources"):
+        if k not in ("schema", "sources", "drafters"):   # a drafter's sizes are checked against its files
             walk(v, k)
     return out
 

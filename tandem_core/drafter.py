@@ -27,11 +27,20 @@ Construction convention: a registered drafter (``tandem_drafters`` hook,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
-    "Requirements", "TargetInfo", "Proposal", "Drafter", "DrafterMismatch", "check_target", "build_drafter",
+    "Drafter",
+    "DrafterMismatch",
+    "Proposal",
+    "ReadsHidden",
+    "Requirements",
+    "TargetInfo",
+    "TargetParts",
+    "build_drafter",
+    "check_target",
 ]
 
 
@@ -48,6 +57,7 @@ class Requirements:
     head           it reads the target's output head (lm_head)
     tokenizer      the sha256 fingerprint of the tokenizer its token ids mean, or None (any tokenizer)
     vocab_size     the vocabulary its own head or tables assume, or None (any)
+    hidden_size    the width of the hidden rows it reads (and of the embedding and head), or None (any)
     mtp            it drives the target's own MTP head (``tandem_core.engine.base.MTPEngine``)
     """
 
@@ -56,14 +66,30 @@ class Requirements:
     head: bool = False
     tokenizer: str | None = None
     vocab_size: int | None = None
+    hidden_size: int | None = None
     mtp: bool = False
 
 
 @dataclass(frozen=True)
+class TargetParts:
+    """The target's own input embedding and output head, lent read-only to a drafter (shared, never copied).
+
+    embed   ``ids [T] int64 -> [T, H]`` rows of the input embedding, in ``dtype`` on ``device``
+    head    ``h [T, H] -> [T, V]`` fp32 logits of the output head
+    """
+
+    embed: Callable[[Any], Any]
+    head: Callable[[Any], Any]
+    device: str = "cpu"
+    dtype: Any = None
+
+
+@dataclass(frozen=True)
 class TargetInfo:
-    """What a target offers a drafter. ``name`` is the model's id, for messages only; ``mtp`` the decoder
-    layers of its MTP head (0: none); ``engine`` the engine the drafter drafts for, when the drafter is
-    built for one (a drafter that reads the target's rows or drives its head reads them there)."""
+    """What a target offers a drafter. ``name`` is the model's id (messages, and where a drafter looks for the
+    files shipped beside the model); ``parts`` the embedding and head themselves, when the engine lends them;
+    ``mtp`` the decoder layers of its MTP head (0: none); ``engine`` the engine the drafter drafts for, when it
+    is built for one (the MTP drafter drives that engine's own head)."""
 
     hidden_layers: tuple[int, ...] = ()
     embedding: bool = False
@@ -71,16 +97,29 @@ class TargetInfo:
     tokenizer: str | None = None
     vocab_size: int = 0
     name: str = ""
+    hidden_size: int = 0
+    parts: TargetParts | None = field(default=None, compare=False, repr=False)
     mtp: int = 0
     engine: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, caps: Any, *, tokenizer: str | None, vocab_size: int, embedding: bool = True,
-           head: bool = True, name: str = "", engine: Any = None) -> "TargetInfo":
+           head: bool = True, name: str = "", hidden_size: int = 0,
+           parts: TargetParts | None = None, engine: Any = None) -> TargetInfo:
         """From an engine's ``Capabilities`` (its ``hidden_layers``, its MTP head) and the served tokenizer;
         ``engine``: the engine itself, for a drafter built for it."""
         return cls(tuple(caps.hidden_layers), embedding, head, tokenizer, int(vocab_size), name,
-                   int(caps.mtp), engine)
+                   int(hidden_size), parts, int(caps.mtp), engine)
+
+    @classmethod
+    def of_engine(cls, engine: Any, *, tokenizer: str | None, vocab_size: int, name: str = "") -> TargetInfo:
+        """From an engine: its taps and hidden size (``caps``) and the embedding and head it lends
+        (``target_parts``; an engine that lends none offers neither)."""
+        lend = getattr(engine, "target_parts", None)
+        parts = lend() if callable(lend) else None
+        return cls.of(engine.caps, tokenizer=tokenizer, vocab_size=vocab_size, embedding=parts is not None,
+                      head=parts is not None, name=name, hidden_size=int(getattr(engine.caps, "hidden_size", 0)),
+                      parts=parts, engine=engine)
 
 
 @dataclass(frozen=True)
@@ -119,12 +158,12 @@ class Proposal:
         return len(self.tokens)
 
     @classmethod
-    def chain(cls, tokens: Sequence[int], probs: Sequence[float], source: str) -> "Proposal":
+    def chain(cls, tokens: Sequence[int], probs: Sequence[float], source: str) -> Proposal:
         return cls(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)),
                    tuple(float(p) for p in probs), source)
 
     @classmethod
-    def empty(cls, source: str) -> "Proposal":
+    def empty(cls, source: str) -> Proposal:
         return cls((), (), (), source)
 
 
@@ -160,6 +199,19 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
+class ReadsHidden(Protocol):
+    """A drafter that reads the target's hidden rows (``Requirements.hidden_layers``). The loop taps those layers
+    on the engine and hands every row the target computes for the sequence, inside the forwards it runs anyway
+    (the prefill, each decode step, each verify's accepted path): no extra target pass."""
+
+    def hidden(self, start: int, tokens: Sequence[int], rows: Mapping[int, Any]) -> None:
+        """The target's residual rows after each required layer (``rows[layer]``: ``[T, H]``, valid only during
+        the call) for ``tokens``, at positions ``start .. start + T - 1`` of the sequence (rows past ``start``
+        that the drafter held before are superseded)."""
+        ...
+
+
 def check_target(drafter_name: str, requirements: Requirements, target: TargetInfo) -> None:
     """Refuse a drafter whose requirements the target does not meet; the message names every mismatch."""
     problems: list[str] = []
@@ -179,6 +231,8 @@ def check_target(drafter_name: str, requirements: Requirements, target: TargetIn
                         "caps.mtp is 0)")
     if requirements.vocab_size is not None and requirements.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {requirements.vocab_size} (the target's is {target.vocab_size})")
+    if requirements.hidden_size is not None and requirements.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {requirements.hidden_size} (the target's is {target.hidden_size or 'unknown'})")
     if problems:
         who = f" {target.name!r}" if target.name else ""
         raise DrafterMismatch(f"drafter {drafter_name!r} cannot draft for target{who}: it needs "

@@ -28,7 +28,7 @@ def tandem_drafters(register):
 
 @hookspec
 def tandem_tool_formats(register):
-    """Register tool-call formats: ``register(name, "module:Class")`` (a ``tandem_core.server.toolformat.ToolFormat``)."""
+    """Register tool-call formats: ``register(name, "module:Class")``, a ``server.toolformat.ToolFormat``."""
 
 
 @hookspec

@@ -39,8 +39,8 @@ DEFAULT_PLUGINS = (
 )
 
 HOOKS = (
-    "tandem_architectures", "tandem_weight_formats", "tandem_drafters", "tandem_tool_formats", "tandem_cache_tiers",
-    "tandem_cli_commands", "tandem_settings", "tandem_model_entries",
+    "tandem_architectures", "tandem_weight_formats", "tandem_drafters", "tandem_tool_formats",
+    "tandem_cache_tiers", "tandem_cli_commands", "tandem_settings", "tandem_model_entries",
 )
 
 

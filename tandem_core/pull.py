@@ -11,6 +11,12 @@ Two kinds of source (``model.yaml``'s ``source.kind``):
   when that package is importable and the hub is reachable; otherwise the error
   says what to install and where to put the files by hand.
 
+A model may also ship drafters (``model.yaml``'s ``drafters:``, e.g. the block drafter trained for it):
+each names its files with their size and sha256 and a source (``registry``: a folder beside the
+model.yaml; ``hf``: a Hugging Face repository). ``pull_drafters`` copies them into
+``<TANDEM_HOME>/models/<id>/drafters/<name>/`` and checks every size and sum; ``drafter_path`` is the
+load-time audit (a file whose size or sum differs, or that is missing, is not served).
+
 Idempotent: a present file whose sha256 was verified is not fetched again. The
 verification is remembered in ``<file>.verified`` (sha256, size and mtime), so
 a later call does not rehash an unchanged file; a file that changed, or whose
@@ -32,7 +38,10 @@ from typing import Any
 
 from tandem_core.settings import SETTINGS
 
-__all__ = ["Progress", "PullError", "local_path", "models_home", "pull", "sha256_file", "target_dir"]
+__all__ = [
+    "Progress", "PullError", "drafter_dir", "drafter_path", "local_path", "models_home", "pull", "pull_drafters",
+    "sha256_file", "target_dir",
+]
 
 Progress = Callable[[int, int, str], None]
 _CHUNK = 1 << 20
@@ -307,3 +316,113 @@ def _pull_hf(
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else "no message"
+
+
+# -- drafters shipped with a model ---------------------------------------------------------------------
+
+
+def _drafter_specs(entry: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    d = entry.get("drafters") or {}
+    if not isinstance(d, Mapping):
+        raise PullError(f"model {_id(entry)!r}: drafters must be a mapping of drafter name to its files")
+    return {str(k): dict(v) for k, v in d.items()}
+
+
+def drafter_dir(entry: Mapping[str, Any], name: str, home: Path | None = None) -> Path:
+    """Where ``tandem pull`` puts the drafter ``name`` of a model: ``<models>/<id>/drafters/<name>/``."""
+    if "/" in name or name.startswith("."):
+        raise PullError(f"model {_id(entry)!r}: drafter name {name!r} is not a plain name")
+    return target_dir(entry, home) / "drafters" / name
+
+
+def _files(entry: Mapping[str, Any], name: str, spec: Mapping[str, Any]) -> dict[str, tuple[int, str]]:
+    files = spec.get("files")
+    if not isinstance(files, Mapping) or not files:
+        raise PullError(f"model {_id(entry)!r}: drafter {name!r} names no files")
+    out: dict[str, tuple[int, str]] = {}
+    for fname, f in files.items():
+        if "/" in fname or fname.startswith(".") or not isinstance(f, Mapping) or "sha256" not in f or "bytes" not in f:
+            raise PullError(f"model {_id(entry)!r}: drafter {name!r} file {fname!r} needs a plain name, bytes and "
+                            "sha256")
+        out[str(fname)] = (int(f["bytes"]), str(f["sha256"]).lower())
+    return out
+
+
+def drafter_path(entry: Mapping[str, Any], name: str, home: Path | None = None) -> Path | None:
+    """The pulled folder of the model's drafter ``name`` when every file it lists is there with its size and
+    sha256 (the load-time audit; an unchanged file is not hashed again), else None."""
+    specs = _drafter_specs(entry)
+    if name not in specs:
+        return None
+    d = drafter_dir(entry, name, home)
+    for fname, (size, sha) in _files(entry, name, specs[name]).items():
+        path = d / fname
+        if not path.is_file() or path.stat().st_size != size or not _verified(path, sha):
+            return None
+    return d
+
+
+def pull_drafters(entry: Mapping[str, Any], base: Path | None, progress: Progress | None = None, *,
+                  home: Path | None = None, force: bool = False) -> dict[str, Path]:
+    """Fetch every drafter the entry ships into its ``drafter_dir`` (``base``: the folder of the model.yaml, where
+    a ``registry`` source's path starts); returns ``{name: folder}``. A size or sum that differs stops with the
+    file named."""
+    out: dict[str, Path] = {}
+    mid = _id(entry)
+    for name, spec in _drafter_specs(entry).items():
+        if not force and (have := drafter_path(entry, name, home)) is not None:
+            out[name] = have
+            continue
+        files = _files(entry, name, spec)
+        src = spec.get("source") or {}
+        kind = src.get("kind") if isinstance(src, Mapping) else None
+        d = drafter_dir(entry, name, home)
+        d.mkdir(parents=True, exist_ok=True)
+        for fname, (size, sha) in files.items():
+            part = d / (fname + ".part")
+            if kind == "registry":
+                if base is None or "path" not in src:
+                    raise PullError(f"model {mid!r}: drafter {name!r} has a registry source without a path")
+                origin = Path(base) / str(src["path"]) / fname
+                if not origin.is_file():
+                    raise PullError(f"model {mid!r}: drafter {name!r}: {origin} is not there (the registry entry "
+                                    "ships it beside model.yaml)")
+                with origin.open("rb") as fi, part.open("wb") as fo:
+                    while chunk := fi.read(_CHUNK):
+                        fo.write(chunk)
+            elif kind == "hf":
+                part = _hf_file(mid, name, str(src.get("repo", "")), src.get("revision"), fname, d)
+            else:
+                raise PullError(f"model {mid!r}: drafter {name!r}: unknown source kind {kind!r} (registry, hf)")
+            got_size = part.stat().st_size
+            if got_size != size:
+                part.unlink(missing_ok=True)
+                raise PullError(f"model {mid!r}: drafter {name!r} file {fname} is {got_size} bytes, the registry "
+                                f"says {size}")
+            got = sha256_file(part, progress, f"{name}")
+            if got != sha:
+                part.unlink(missing_ok=True)
+                raise PullError(f"model {mid!r}: drafter {name!r} file {fname} has sha256 {got}, the registry says "
+                                f"{sha}")
+            os.replace(part, d / fname)
+            _remember(d / fname, sha)
+        out[name] = d
+    return out
+
+
+def _hf_file(mid: str, name: str, repo: str, revision: Any, fname: str, d: Path) -> Path:
+    manual = f"download {fname} of https://huggingface.co/{repo} into {d} by hand"
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise PullError(f"model {mid!r}: drafter {name!r} comes from {repo}: install huggingface_hub, or "
+                        f"{manual}") from None
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        try:
+            got = Path(hf_hub_download(repo, fname, revision=revision, local_dir=tmp))
+        except Exception as exc:  # the hub client raises many types (offline, 401, 404, timeouts)
+            raise PullError(f"model {mid!r}: drafter {name!r}: could not fetch {fname} of {repo} "
+                            f"({type(exc).__name__}: {_first_line(exc)}); {manual}") from exc
+        part = d / (fname + ".part")
+        os.replace(got, part)
+    return part

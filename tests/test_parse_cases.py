@@ -279,3 +279,18 @@ def test_long_values_in_small_pieces() -> None:
         args = json.loads(got[2][0].arguments)
         assert args["data"] == big
         assert fmt == "hermes_json" or args["body"] == body
+
+
+def test_reasoning_tags_are_the_models() -> None:
+    """A plugin whose model writes other tags (``Served.think_tags``) gets its block read the same way, split
+    anywhere; ``<think>`` is then plain text."""
+    tags = ("<|reason|>", "<|/reason|>")
+    text = "  <|reason|>\nWhy <think> here?\n<|/reason|>\n\nThe answer."
+    whole = parse_complete(text, "none", True, False, None, think_tags=tags)
+    assert (whole.reasoning, whole.content) == ("Why <think> here?", "The answer.")
+    for k in range(len(text) + 1):
+        p = OutputParser("none", True, False, None, think_tags=tags)
+        got = Collected().add(p.feed(text[:k])).add(p.feed(text[k:])).add(p.finish())
+        assert (got.reasoning, got.content) == (whole.reasoning, whole.content), k
+    assert think_open_at_end("<|im_start|>assistant\n<|reason|>\n", tags)
+    assert not think_open_at_end("<|im_start|>assistant\n<think>\n", tags)

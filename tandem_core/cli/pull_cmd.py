@@ -56,22 +56,26 @@ class _Bar:
 def run_pull(args: argparse.Namespace) -> int:
     from tandem_core import catalog
     from tandem_core.cli.main import CliError
-    from tandem_core.pull import PullError, local_path, pull
+    from tandem_core.pull import PullError, local_path, pull, pull_drafters
 
     try:
         e = catalog.entry(args.model) if args.model else catalog.default_entry()
     except (catalog.ModelNotFound, catalog.RegistryError) as exc:
         raise CliError(str(exc)) from None
     present = None if args.force else local_path(e.data)
-    if present is not None:
-        print(f"{e.id}: already present and verified at {present}")
-        return 0
     bar = _Bar(sys.stderr, enabled=not args.quiet and sys.stderr.isatty())
     try:
-        path = pull(e.data, progress=bar, force=args.force)
+        if present is not None:
+            print(f"{e.id}: already present and verified at {present}")
+        else:
+            path = pull(e.data, progress=bar, force=args.force)
+            bar.close()
+            print(f"{e.id}: {path}")
+        for name, folder in pull_drafters(e.data, e.path.parent, progress=bar, force=args.force).items():
+            bar.close()
+            print(f"{e.id}: drafter {name}: {folder}")
     except PullError as exc:
         bar.close()
         raise CliError(str(exc)) from None
     bar.close()
-    print(f"{e.id}: {path}")
     return 0

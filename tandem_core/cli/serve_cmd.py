@@ -40,9 +40,11 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                    help="what it computes in (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--ledger", help="the usage ledger's SQLite file (default: $TANDEM_HOME/ledger.sqlite)")
-    p.add_argument("--spec", default="lookup", metavar="off|DRAFTER[,DRAFTER]",
-                   help="speculative decoding: 'off', or the drafters to merge (default: lookup); on only "
-                        "when the engine verifies trees and passes the load-time self-check")
+    p.add_argument("--spec", default="auto", metavar="off|auto|DRAFTER[,DRAFTER]",
+                   help="speculative decoding: 'off', or the drafters whose proposals merge into one tree each "
+                        "round (lookup, block, lookup,block); default auto: lookup, plus the drafters the model's "
+                        "registry entry ships (a block drafter) once pulled. On only when the engine verifies "
+                        "trees and passes the load-time self-check")
     p.add_argument("--max-tree", type=int, default=16, metavar="N",
                    help="the most drafted nodes one verify forward carries (default 16)")
     p.add_argument("--no-cache", action="store_true",
@@ -98,9 +100,9 @@ def _logging() -> None:
 
 
 def _drafters(spec: str) -> tuple[str, ...]:
-    if spec.strip().lower() in ("off", "none", ""):
-        return ()
-    return tuple(d.strip() for d in spec.split(",") if d.strip())
+    from tandem_core.server.speculation import parse_spec
+
+    return parse_spec(spec)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -62,6 +62,7 @@ class Capabilities:
     prefill_chunk: int = 0      # rows a long forward runs at a time, counted from the call's first token;
                                 # forwards split at multiples of it give the same bits (0: not said)
     graph_widths: tuple[int, ...] = ()  # verify widths captured as CUDA graphs (decode is width 1); (): eager
+    hidden_size: int = 0        # the width of the hidden rows (a drafter's taps); 0: not said
     mtp: int = 0                # decoder layers of the MTP head ``mtp_head()`` offers (0: no head)
 
 

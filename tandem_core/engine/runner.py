@@ -186,6 +186,9 @@ class Runner(Protocol):
         """Zero the sections (the engine sets the length to 0)."""
         ...
 
+    # optional: ``parts() -> tandem_core.drafter.TargetParts``, the input embedding and output head lent to a
+    # drafter that reads them (the engine's ``target_parts``); a runner without it lends none
+
     def manifest(self) -> Manifest:
         """What computes the rows: source files, the settings that change arithmetic, a weights identity."""
         ...

@@ -26,7 +26,7 @@ The engine owns the sequence; the runner only computes (``tandem_core.engine.run
 
 Hot verbs: ``forward``, ``forward_tree``, ``forward_block``, ``commit_tree``, ``rollback_to``, ``picks``,
 ``hidden_post_norm``, ``hidden_at``, ``kv.length``, ``state``, ``reset``. Cold verbs: ``caps``,
-``resume_at``, ``settle``, ``discard_pending``, ``trim_pending``, ``tap``, ``manifest``,
+``resume_at``, ``settle``, ``discard_pending``, ``trim_pending``, ``tap``, ``target_parts``, ``manifest``,
 ``memory_parts``.
 """
 
@@ -40,12 +40,13 @@ from typing import Any
 
 import torch
 
+from tandem_core.drafter import TargetParts
 from tandem_core.engine.base import Capabilities, DraftHead, Manifest, MemoryPart, Trace, TreeOut
 from tandem_core.engine.runner import Capture, Rows, Runner, Step, TreeStep
 from tandem_core.ops import _tree
 from tandem_core.state import ModelState, View
 
-__all__ = ["SequenceEngine", "ContextFull"]
+__all__ = ["ContextFull", "SequenceEngine"]
 
 
 class ContextFull(ValueError):
@@ -120,7 +121,7 @@ class SequenceEngine:
             tree=True, resume=True, max_context=spec.max_context, max_tree=spec.max_tree,
             hidden_layers=spec.hidden_layers, device=spec.device, dtype=spec.dtype,
             workspace_bytes_per_token=spec.workspace_bytes_per_token, trace=spec.trace,
-            prefill_chunk=spec.prefill_chunk, graph_widths=spec.graph_widths,
+            prefill_chunk=spec.prefill_chunk, graph_widths=spec.graph_widths, hidden_size=spec.hidden_size,
             mtp=0 if head is None else int(head.layers))
         self._head = head
         # the MTP head's rows: None after a forward (all rows), a commit's path, or () (none: state changed)
@@ -343,6 +344,12 @@ class SequenceEngine:
                              f"(caps.hidden_layers: {list(self.caps.hidden_layers)})")
         self.runner.tap(want)
         self._taps = {i: [] for i in want}
+
+    def target_parts(self) -> TargetParts | None:
+        """The runner's input embedding and output head, lent to a drafter (``TargetParts``), or None when the
+        runner lends none (its optional ``parts()`` verb)."""
+        parts = getattr(self.runner, "parts", None)
+        return parts() if callable(parts) else None
 
     def manifest(self) -> Manifest:
         """The runner's manifest, with this file (it chunks the prefill) and the chunk among the settings."""

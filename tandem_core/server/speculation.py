@@ -23,26 +23,28 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from tandem_core.drafter import DrafterMismatch, TargetInfo, build_drafter
 from tandem_core.serving import Served
 from tandem_core.spec.cut import StairCut
-from tandem_core.spec.speculate import Speculation, SpecStats
+from tandem_core.spec.speculate import SpecStats, Speculation
 
-__all__ = ["SpecOptions", "ServerSpeculation", "build_speculation"]
+__all__ = ["ServerSpeculation", "SpecOptions", "build_speculation", "parse_spec", "resolve_drafters"]
 
 log = logging.getLogger("tandem.spec")
 
 
 @dataclass(frozen=True)
 class SpecOptions:
-    """``drafters``: names registered through ``tandem_drafters`` (empty: off); ``max_tree``: the most
-    drafted nodes one verify carries; ``selfcheck``: run the load-time self-check (never skip it in
-    production: it is what makes speculation provably lossless on this engine)."""
+    """``drafters``: names registered through ``tandem_drafters`` (empty: off; ``auto``: lookup and every
+    drafter the model's registry entry ships, see ``resolve_drafters``), merged into one tree each round;
+    ``max_tree``: the most drafted nodes one verify carries; ``selfcheck``: run the load-time self-check
+    (never skip it in production: it is what makes speculation provably lossless on this engine)."""
 
-    drafters: tuple[str, ...] = ("lookup",)
+    drafters: tuple[str, ...] = ("auto",)
     max_tree: int = 16
     selfcheck: bool = True
     selfcheck_tokens: int = 16
@@ -113,8 +115,8 @@ class ServerSpeculation:
             "# HELP tandem_spec_accepted_total Drafted nodes accepted.",
             "# TYPE tandem_spec_accepted_total counter",
             f"tandem_spec_accepted_total {t.accepted}",
-            "# HELP tandem_spec_explore_rounds_total Rounds widened to explore after a run of rounds that kept "
-            "no drafted node.",
+            ("# HELP tandem_spec_explore_rounds_total Rounds widened to explore after a run of rounds that kept "
+            "no drafted node."),
             "# TYPE tandem_spec_explore_rounds_total counter",
             f"tandem_spec_explore_rounds_total {sum(s.cut.explored for s in self.per_engine if s)}",
             "# HELP tandem_spec_tokens_per_round Tokens per round since start.",
@@ -124,6 +126,44 @@ class ServerSpeculation:
             "# TYPE tandem_spec_acceptance gauge",
             f"tandem_spec_acceptance {t.acceptance:.4f}",
         ]
+
+
+def parse_spec(spec: str) -> tuple[str, ...]:
+    """``--spec``: ``off`` (or ``none``, empty) -> no drafter; ``auto``; else drafter names separated by commas
+    (``lookup,block``), each once, in the order given."""
+    if spec.strip().lower() in ("off", "none", ""):
+        return ()
+    out: list[str] = []
+    for name in (d.strip() for d in spec.split(",")):
+        if name and name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def resolve_drafters(names: Sequence[str], model_id: str) -> tuple[str, ...]:
+    """``auto`` becomes ``lookup`` plus every drafter the model's registry entry ships whose files are on this
+    machine (``drafters:`` in model.yaml, fetched by ``tandem pull``); other names stay as given."""
+    out: list[str] = []
+    for name in names:
+        if name != "auto":
+            if name not in out:
+                out.append(name)
+            continue
+        for extra in ("lookup", *shipped_drafters(model_id)):
+            if extra not in out:
+                out.append(extra)
+    return tuple(out)
+
+
+def shipped_drafters(model_id: str) -> tuple[str, ...]:
+    """The drafters the registry entry of ``model_id`` ships and ``tandem pull`` has verified here."""
+    from tandem_core import catalog, pull
+
+    try:
+        e = catalog.entry(model_id)
+    except catalog.ModelNotFound:
+        return ()
+    return tuple(n for n in (e.data.get("drafters") or {}) if pull.drafter_path(e.data, n) is not None)
 
 
 def _off(reason: str, n: int, drafters: tuple[str, ...], max_tree: int,
@@ -138,7 +178,7 @@ def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptio
     one (in a background thread: the server listens at once and decodes plainly until the check
     passes), else on the first engine before the server listens."""
     n = len(engines)
-    names = tuple(options.drafters)
+    names = resolve_drafters(options.drafters, served.model_id)
     if not names:
         return _off("--spec off", n, names, 0)
     caps = engines[0].caps
@@ -147,14 +187,13 @@ def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptio
     # a verify carries the pending token besides the drafted nodes: 1 + max_tree rows
     max_tree = max(1, min(options.max_tree, caps.max_tree - 1))
     fingerprint = served.tokenizer.fingerprint()
-
-    def target(engine: Any) -> TargetInfo:
-        # each engine's drafters are built for it: the MTP drafter drives that engine's own head
-        return TargetInfo.of(engine.caps, tokenizer=fingerprint, vocab_size=served.tokenizer.vocab_size,
-                             name=served.model_id, engine=engine)
-
     try:
-        per_engine_drafters = [[build_drafter(name, target(e)) for name in names] for e in engines]
+        per_engine_drafters = []
+        # each engine lends its own embedding and head (shared weights), and its MTP head, to its drafters
+        for engine in engines:
+            target = TargetInfo.of_engine(engine, tokenizer=fingerprint, vocab_size=served.tokenizer.vocab_size,
+                                          name=served.model_id)
+            per_engine_drafters.append([build_drafter(name, target) for name in names])
     except (DrafterMismatch, KeyError, TypeError) as exc:
         return _off(str(exc).strip("'\""), n, names, max_tree)
     device = _device_name(caps.device.split(":")[0])

@@ -1,10 +1,10 @@
-"""Tool-call formats: how a model writes a call, read as it streams, as a grammar for forced calls, as prompt text.
+"""Tool-call formats: how a model writes a call, read as it streams, forced by a grammar, as prompt text.
 
 A format is a plugin's: the hook ``tandem_tool_formats(register)`` registers it by name
 (``register(name, "module:Class")``; the core's ``hermes_json`` through ``tandem_core.default_tool_formats``,
-Qwen's ``qwen_xml`` through the Qwen plugin, LFM2's ``lfm2_pythonic`` through the LFM2 plugin). A
-model's ``Served.tool_format`` names one (or ``"none"``: the model writes no calls); the server finds it
-only through ``tool_format(name)``, and refuses at start a name nobody registered.
+a model family's own through its plugin: ``docs/plugins.md``, section 8). A model's ``Served.tool_format``
+names one (or ``"none"``: the model writes no calls); the server finds it only through
+``tool_format(name)``, and refuses at start a name nobody registered.
 
 A ``ToolFormat`` gives, for the OpenAI function tools of a request:
 

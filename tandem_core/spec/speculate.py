@@ -23,12 +23,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from tandem_core.drafter import Drafter
+from tandem_core.drafter import Drafter, ReadsHidden
 from tandem_core.engine import TreeEngine
 from tandem_core.spec.cut import StairCut
 from tandem_core.spec.loop import Chunk, Decode
@@ -36,7 +37,7 @@ from tandem_core.spec.sampler import Pick
 from tandem_core.spec.tree import TokenTree
 from tandem_core.spec.walk import WalkResult, walk_lazy
 
-__all__ = ["Speculation", "SpecStats", "SpecDecode"]
+__all__ = ["SpecDecode", "SpecStats", "Speculation"]
 
 
 @dataclass
@@ -49,7 +50,7 @@ class SpecStats:
     tokens: int = 0
     verify_ms: float = 0.0
 
-    def add(self, other: "SpecStats") -> None:
+    def add(self, other: SpecStats) -> None:
         self.rounds += other.rounds
         self.drafted += other.drafted
         self.accepted += other.accepted
@@ -86,6 +87,13 @@ class SpecDecode(Decode):
         self.tree_engine: TreeEngine = engine
         self._begun = False
         self._indexing: threading.Thread | None = None
+        # drafters that read the target's hidden rows: the engine taps their layers, and every forward of the
+        # sequence hands them its rows (the prefill's, each decode step's, each verify's accepted path)
+        self._readers = [d for d in speculation.drafters if isinstance(d, ReadsHidden)]
+        self._tapped: tuple[int, ...] = tuple(sorted({i for d in self._readers for i in d.requires().hidden_layers}))
+        if self._tapped:
+            engine.tap(self._tapped)
+            self.start = self._reading_start(self.start)
 
     def run(self) -> Iterator[Chunk]:
         """The plain loop's ``run``, with the drafters indexing the prompt while the prefill runs (on the GPU a
@@ -123,6 +131,38 @@ class SpecDecode(Decode):
             d.begin(list(self.req.prompt))
         self._begun = True
 
+    def _reading_start(self, start: Any) -> Any:
+        """The prefill (``start``), handing the drafters the rows of every chunk it forwards (read before the
+        ``between`` safe point, where the side lane may run forwards of its own)."""
+
+        def reading(engine: Any, prompt: Sequence[int], **kw: Any) -> torch.Tensor:
+            between = kw.get("between")
+            if between is not None:
+                def grab_then_between() -> None:
+                    self._hand_rows(list(prompt))
+                    between()
+                kw["between"] = grab_then_between
+            logits = start(engine, prompt, **kw)
+            self._hand_rows(list(prompt))
+            return logits
+
+        return reading
+
+    def _hand_rows(self, sequence: Sequence[int], index: torch.Tensor | None = None, first: int = 0) -> None:
+        """The last forward's tapped rows to the drafters: the forward's rows ending at ``kv.length`` (or, after a
+        verify, the rows ``index`` of its nodes, at positions from ``first``: pending and the accepted path)."""
+        rows = {i: self.engine.hidden_at(i) for i in self._tapped}
+        if index is not None:
+            rows = {i: r.index_select(0, index.to(r.device)) for i, r in rows.items()}
+        else:
+            first = self.engine.kv.length - int(next(iter(rows.values())).shape[0])
+        n = int(next(iter(rows.values())).shape[0])
+        tokens = list(sequence[first:first + n])
+        if first < 0 or len(tokens) != n:
+            return                          # rows that are not this sequence's (nothing was forwarded)
+        for d in self._readers:
+            d.hidden(first, tokens, rows)
+
     def _context(self) -> list[int]:
         return [*self.req.prompt, *self.generated]
 
@@ -145,6 +185,8 @@ class SpecDecode(Decode):
         t0 = time.perf_counter()
         logits = self.forward()            # [1, V]: the engine now holds the pending token
         ms = (time.perf_counter() - t0) * 1e3
+        if self._tapped:
+            self._hand_rows(self._context())
         self.spec.cut.observe(1, len(self.req.prompt) + len(self.generated) - 1, ms)
         self.stats.verify_ms += ms
         before = len(self.generated)
@@ -189,6 +231,7 @@ class SpecDecode(Decode):
     def commit_round(self, tree: TokenTree, result: WalkResult, logits: torch.Tensor) -> None:
         (pending,) = self.pending
         path = [tree.tokens[k] for k in result.path_nodes]
+        start, sequence = self.tree_engine.kv.length, [*self._context(), *path]
         self.tree_engine.commit_tree([0, *(k + 1 for k in result.path_nodes)])  # engine: + pending + path
         before = len(self.generated)
         self.commit(self._round_picks)      # the answer: + path + bonus, or fewer at a stop or max_tokens
@@ -198,6 +241,9 @@ class SpecDecode(Decode):
         if held < 1 + len(path):
             self.tree_engine.trim_pending(1 + len(path) - held)
         self.tree_engine.settle()
+        if self._tapped:                    # the verify's rows of what the engine kept: pending + the path
+            rows = torch.tensor([0, *(k + 1 for k in result.path_nodes)][:held], dtype=torch.long)
+            self._hand_rows(sequence, rows, start)
         self.pending = self.pending[-1:] if self.finish is None else []
         self.forwarded([pending, *path][:held])
         for d in self.spec.drafters:

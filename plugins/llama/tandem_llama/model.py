@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem_core import ops
+from tandem_core.drafter import TargetParts
 from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, RunnerSpec, SequenceEngine, Step, TreeStep
 from tandem_core.ops.attention import causal_mask
 from tandem_core.ops.rows import ALIGN
@@ -241,6 +242,14 @@ class LlamaRunner:
 
     def tap(self, layers: tuple[int, ...]) -> None:
         self._taps = tuple(layers)
+
+    def parts(self) -> TargetParts:
+        """The embedding and the head, lent to a drafter (the block drafter embeds its block with the one and
+        reads its logits through the other)."""
+        w = self.w
+        return TargetParts(embed=lambda ids: w.embed.rows(ids.to(self.device)).to(self.act),
+                           head=lambda h: w.lm_head.matmul(h.to(self.act)).float(),
+                           device=str(self.device), dtype=self.act)
 
     def reset(self) -> None:
         """No sections to zero; K/V rows past the length are never read."""

@@ -50,6 +50,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from tandem_core import ops
+from tandem_core.drafter import TargetParts
 from tandem_core.engine import (
     Capture, LogitRows, Manifest, MemoryPart, Rows, RunnerSpec, Step, TreeStep, op_paths, source_files, tensor_bytes,
 )
@@ -207,6 +208,13 @@ class Qwen38Runner:
 
     def tap(self, layers: tuple[int, ...]) -> None:
         self._taps = tuple(layers)
+
+    def parts(self) -> TargetParts:
+        """The embedding and the head, lent to a drafter (the block drafter)."""
+        w = self.w
+        return TargetParts(embed=lambda ids: w.embed[ids.to(w.device)],
+                           head=lambda h: w.head.matmul(h.to(w.act_dtype)).float(),
+                           device=str(w.device), dtype=w.act_dtype)
 
     def reset(self) -> None:
         self._S.zero_()

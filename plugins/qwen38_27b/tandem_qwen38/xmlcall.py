@@ -1,4 +1,4 @@
-"""Qwen's XML call body, read as it streams: ``<function=NAME>`` ``<parameter=P>`` value ``</parameter>`` ``</function>``.
+"""Qwen's XML call body, read as it streams: ``<function=NAME>``, ``<parameter=P>`` values, ``</function>``.
 
 What Qwen3-Coder and Qwen3.5 write inside ``<tool_call>`` (the core's ``TaggedCalls`` holds the
 block)::

@@ -62,6 +62,22 @@ def test_the_architecture_and_setting_are_registered(registered, qwen38_ckpts):
     assert SETTINGS.decl("QWEN38_PREFILL_CHUNK").arithmetic
 
 
+def test_the_plugin_registers_qwens_tool_format(registered):
+    """``qwen_xml`` is this plugin's, found by the server through the registry: the XML body and the JSON one."""
+    from tandem_core.plugins import registries
+    from tandem_core.server.parse import parse_complete
+    from tandem_core.server.toolformat import tool_format
+    from tandem_qwen38.toolformat import QwenXml
+
+    assert registries().tool_formats["qwen_xml"] == "tandem_qwen38.toolformat:QwenXml"
+    assert isinstance(tool_format("qwen_xml"), QwenXml)
+    xml = "<tool_call>\n<function=f>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"type": "integer"}}}}}]
+    for text in (xml, '<tool_call>\n{"name": "f", "arguments": {"n": 3}}\n</tool_call>'):
+        parsed = parse_complete(text, "qwen_xml", False, False, tools)
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("f", {"n": 3})]
+
+
 def test_serve_builds_engine_tokenizer_and_record(qwen38_ckpts):
     ctx = Recorder()
     args = ServeArgs(model_id="tiny-qwen", path=qwen38_ckpts.vl.path, max_context=96,

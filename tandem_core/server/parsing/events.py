@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-__all__ = ["Content", "Event", "Malformed", "Reasoning", "ToolCallArgs", "ToolCallBegin", "ToolCallEnd", "push"]
+__all__ = [
+    "Content", "Event", "Malformed", "Reasoning", "ToolCallArgs", "ToolCallBegin", "ToolCallEnd", "push",
+]
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 ``TaggedCalls(bodies, tools, id_prefix=..., keep_malformed=...)`` reads content and calls. A
 block holds one or more call bodies (whitespace between them); each ``Body`` is one way of
-writing a call (``JsonBody`` here: ``{"name": NAME, "arguments": {...}}``; the Qwen plugin's
-``<function=NAME><parameter=P>...`` form). The first of ``bodies`` whose ``opener`` starts the
+writing a call (``JsonBody`` here: ``{"name": NAME, "arguments": {...}}``; a plugin's own, such as
+an XML ``<function=NAME><parameter=P>...`` form). The first of ``bodies`` whose ``opener`` starts the
 text after ``<tool_call>`` reads it. Whitespace before ``<tool_call>`` and after
 ``</tool_call>`` is the format's; other whitespace is kept.
 
@@ -25,7 +25,9 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from tandem_core.server.parsing.events import Content, Event, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd, push
+from tandem_core.server.parsing.events import (
+    Content, Event, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd, push,
+)
 from tandem_core.server.parsing.jsonscan import JsonScan
 from tandem_core.server.parsing.text import TextParser, could_be, held
 from tandem_core.server.parsing.values import no_constant, tool_schemas

@@ -1,6 +1,6 @@
 """A parameter's text as the JSON value its schema calls for, and the tools' schemas by function.
 
-``typed(text, types)`` reads a value a format writes as text (Qwen's XML parameters): by the
+``typed(text, types)`` reads a value a format writes as text (an XML parameter's body): by the
 JSON types its schema allows (``tandem_core.server.toolformat.schema_types``): integer/number ->
 a JSON number, boolean, null, object/array -> parsed JSON (or the Python literal some models
 write), string -> the text itself; without a schema, a JSON literal if the text is one, else a

@@ -1,0 +1,587 @@
+"""Training a block drafter for a target by self-distillation (``tandem train-drafter``).
+
+Two stages, both resumable, under one work folder ``OUT``:
+
+1. **data** (``OUT/data/*.pt``): prompts built offline — source files of the Python standard library and
+   installed packages turned into completion, explanation and edit requests, plus chat requests — rendered with
+   the target's chat template; the target's own greedy answer is the label, and one forward of prompt + answer
+   gives its hidden rows at the drafter's layers (the runner's taps) as features. Sample ``i`` is always the
+   same prompt (seeded by ``i``), so a restart continues where the shards end; ``--workers N`` runs ``N``
+   processes, each with its own engine. One source file in 16 (by the sha1 of its path) is never used: the
+   benchmark's code prompts come from those (``held_out_file``).
+2. **train** (``OUT/ckpt/state.pt``, ``OUT/drafter/``): the drafter learns to predict, from the features of
+   the tokens before an anchor and the block ``[token at anchor, mask, ...]``, the target's next ``B - 1``
+   tokens (cross entropy through the target's frozen head, earlier positions weighted more). Every
+   ``--eval-every`` steps: the held-out loss and the chain acceptance a block would get (``tau``: 1 + the
+   leading positions whose argmax is the label); every ``--checkpoint-every`` steps (and at the end, or when
+   the time budget is spent) the optimizer state is saved and ``OUT/drafter`` rewritten, so a stopped run
+   leaves a loadable drafter and resumes from its last checkpoint.
+
+``OUT/log.jsonl`` holds one line per evaluation and one per stage end; nothing logs prompt or answer text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tandem_drafters.block import BlockConfig, BlockModel, default_layers, read_config, save_checkpoint
+
+__all__ = [
+    "CHAT_TOPICS",
+    "DataOptions",
+    "TrainOptions",
+    "drafter_shape",
+    "generate",
+    "held_out_file",
+    "load_samples",
+    "make_request",
+    "source_files",
+    "train",
+]
+
+# -- prompts --------------------------------------------------------------------------------------------------
+
+EDITS = (
+    "Add type hints to this code.", "Add a docstring to every function in this code.",
+    "Rename the variables in this code to clearer names.", "Rewrite this code to be easier to read.",
+    "Add error handling to this code.", "Write unit tests for this code with pytest.",
+    "Make this code shorter without changing what it does.", "Convert this code to use pathlib where it can.",
+)
+CHAT_TEMPLATES = (
+    "Write a short story about {}.", "Explain {} to a beginner.", "Give me three tips for {}.",
+    "What are the pros and cons of {}?", "Write a poem about {}.", "Summarize the history of {}.",
+    "How do I get started with {}?", "Write an email to a friend about {}.", "List five facts about {}.",
+    "Describe {} in simple words.",
+)
+CHAT_TOPICS = (
+    "gardening", "the ocean", "learning a language", "cooking pasta", "running a marathon", "the moon",
+    "saving money", "photography", "climate", "volcanoes", "chess", "coffee", "birds", "public speaking",
+    "the internet", "bicycles", "jazz", "sleep", "time management", "ancient Rome", "electric cars",
+    "mountains", "friendship", "painting", "recycling", "trains", "the solar system", "baking bread",
+    "meditation", "football", "libraries", "rain", "robots", "the desert", "music theory", "camping",
+)
+
+
+def source_files(roots: Sequence[Path | str] | None = None, limit: int = 20000) -> list[Path]:
+    """Python source files under ``roots`` (default: the standard library and the installed packages), sorted,
+    files under 100 bytes or over 200 kB skipped, at most ``limit``."""
+    if roots is None:
+        paths = sysconfig.get_paths()
+        roots = [paths["stdlib"], paths["purelib"]]
+    out: list[Path] = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(str(root)):
+            dirnames.sort()
+            for f in sorted(filenames):
+                if f.endswith(".py"):
+                    p = Path(dirpath) / f
+                    try:
+                        if 100 < p.stat().st_size < 200_000:
+                            out.append(p)
+                    except OSError:
+                        continue
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+def held_out_file(path: Path | str) -> bool:
+    """True for the one source file in 16 that training never reads (the benchmark's code prompts)."""
+    name = "/".join(Path(path).parts[-3:])
+    return hashlib.sha1(name.encode()).digest()[0] % 16 == 0
+
+
+def _snippet(rng: random.Random, files: Sequence[Path], max_chars: int) -> str | None:
+    for _ in range(8):
+        p = files[rng.randrange(len(files))]
+        try:
+            lines = p.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        starts = [i for i, ln in enumerate(lines) if ln.lstrip().startswith(("def ", "class "))]
+        if not starts:
+            continue
+        a = rng.choice(starts)
+        text = "\n".join(lines[a:a + rng.randrange(10, 40)]).strip("\n")
+        if len(text) >= 80:
+            return text[:max_chars]
+    return None
+
+
+def make_request(i: int, files: Sequence[Path], seed: int = 0, max_chars: int = 1200) -> tuple[str, str] | None:
+    """Sample ``i``'s ``(kind, user message)``: completion, explanation, edit (of a snippet of a training source
+    file) or chat; the same for the same ``i`` and ``seed``; None when no snippet could be read."""
+    rng = random.Random(seed * 1_000_003 + i)
+    k = i % 10
+    if k >= 8 or not files:
+        return "chat", rng.choice(CHAT_TEMPLATES).format(rng.choice(CHAT_TOPICS))
+    code = _snippet(rng, files, max_chars)
+    if code is None:
+        return None
+    if k < 4:
+        cut = code.splitlines()
+        head = "\n".join(cut[: max(2, len(cut) // 2)])
+        return "completion", f"Complete this Python code:\n\n```python\n{head}\n```"
+    if k < 6:
+        return "explanation", f"Explain what this Python code does:\n\n```python\n{code}\n```"
+    return "edit", f"{rng.choice(EDITS)}\n\n```python\n{code}\n```"
+
+
+# -- data -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataOptions:
+    model: str | None
+    weights: str | None
+    out: Path
+    samples: int = 256
+    max_new: int = 256
+    max_prompt: int = 768
+    layers: tuple[int, ...] = ()
+    device: str = "cpu"
+    dtype: str = "fp32"
+    seed: int = 0
+    workers: int = 1
+    sources: tuple[str, ...] = ()
+    time_budget: float = 0.0        # seconds; 0: none
+    shard_every: int = 32
+
+
+class _NoText:
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def _load(model: str | None, weights: str | None, device: str, dtype: str, max_context: int) -> Any:
+    from tandem_core.loader import load_served
+    from tandem_core.serving import ServeArgs
+
+    return load_served(model, weights=weights, args=ServeArgs(model_id="", path=Path("."), device=device,
+                                                             dtype=dtype, max_context=max_context))
+
+
+def done_indices(data: Path) -> set[int]:
+    out: set[int] = set()
+    for f in sorted(data.glob("*.pt")):
+        out.update(int(s["i"]) for s in torch.load(f, weights_only=False))
+    return out
+
+
+def _gen_worker(spec: dict[str, Any], served: Any = None) -> int:
+    """One worker: sample indices ``w, w + n, ...`` not yet in the shards; returns how many it wrote (``served``:
+    the model already loaded, for the one worker run in the calling process)."""
+    from tandem_core.server.template import render_chat
+    from tandem_core.spec.loop import Decode, DecodeRequest
+    from tandem_core.spec.sampler import SamplingParams
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    o = DataOptions(**spec["options"])
+    o.out = Path(o.out)
+    data = o.out / "data"
+    if served is None:
+        served = _load(o.model, o.weights, o.device, o.dtype, o.max_prompt + o.max_new + 8)
+    eng = served.engine
+    layers = tuple(o.layers)
+    eng.tap(layers)
+    files = [Path(p) for p in spec["files"]]
+    done = set(spec["done"])
+    w, n = int(spec["worker"]), int(spec["of"])
+    deadline = time.monotonic() + o.time_budget if o.time_budget > 0 else math.inf
+    pending: list[dict[str, Any]] = []
+    shard = 0
+    wrote = 0
+
+    def flush() -> None:
+        nonlocal shard, pending
+        if not pending:
+            return
+        while (data / f"w{w:02d}-{os.getpid()}-{shard:05d}.pt").exists():
+            shard += 1
+        path = data / f"w{w:02d}-{os.getpid()}-{shard:05d}.pt"
+        torch.save(pending, str(path) + ".part")
+        os.replace(str(path) + ".part", path)
+        shard += 1
+        pending = []
+
+    bar = _bar(len([i for i in range(w, o.samples, n) if i not in done]), f"data w{w}", spec.get("bar", True))
+    for i in range(w, o.samples, n):
+        if i in done:
+            continue
+        if time.monotonic() > deadline:
+            break
+        req = make_request(i, files, o.seed)
+        bar.update(1)
+        if req is None:
+            continue
+        kind, text = req
+        ids = served.tokenizer.encode(render_chat(served, [{"role": "user", "content": text}]))
+        if len(ids) > o.max_prompt or len(ids) < 2:
+            continue
+        dec = Decode(eng, DecodeRequest(ids, o.max_new, SamplingParams(temperature=0.0),
+                                        frozenset(served.stop_ids)), _NoText())
+        for _ in dec.run():
+            pass
+        seq = [*ids, *dec.generated]
+        if len(dec.generated) < 2:
+            continue
+        eng.reset()
+        with torch.inference_mode():
+            eng.forward(seq)
+            feats = torch.cat([eng.hidden_at(li) for li in layers], dim=-1).to("cpu", torch.bfloat16)
+        pending.append({"i": i, "kind": kind, "tokens": torch.tensor(seq, dtype=torch.int32),
+                        "prompt_len": len(ids), "feats": feats.clone()})
+        wrote += 1
+        if len(pending) >= o.shard_every:
+            flush()
+    flush()
+    bar.close()
+    return wrote
+
+
+def _bar(total: int, what: str, enabled: bool = True) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, file=sys.stderr, mininterval=1.0, disable=not enabled, leave=False)
+
+
+def generate(o: DataOptions, log: Any = None, served: Any = None) -> dict[str, Any]:
+    """Stage 1: write the shards up to ``o.samples`` samples (continuing what is there)."""
+    data = o.out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    files = [f for f in source_files([Path(s) for s in o.sources] or None) if not held_out_file(f)]
+    done = done_indices(data)
+    t0 = time.monotonic()
+    opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in o.__dict__.items()}
+    opts["out"] = str(o.out)
+    specs = [{"options": opts, "files": [str(f) for f in files], "done": sorted(done), "worker": w,
+              "of": max(1, o.workers), "threads": 0 if o.workers <= 1 else max(1, (os.cpu_count() or 2) // o.workers),
+              "bar": sys.stderr.isatty()} for w in range(max(1, o.workers))]
+    if o.workers <= 1:
+        wrote = _gen_worker(specs[0], served)
+    else:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(o.workers) as pool:
+            wrote = sum(pool.map(_gen_worker, specs))
+    have = done_indices(data)
+    rec = {"stage": "data", "samples": len(have), "new": wrote, "seconds": round(time.monotonic() - t0, 1),
+           "files": len(files), "workers": o.workers}
+    if log is not None:
+        log(rec)
+    return rec
+
+
+# -- training -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainOptions:
+    model: str | None
+    weights: str | None
+    out: Path
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup: int = 50
+    samples_per_step: int = 8
+    anchors: int = 16
+    checkpoint_every: int = 200
+    eval_every: int = 100
+    held_out: float = 0.05
+    device: str = "cpu"
+    dtype: str = "fp32"
+    seed: int = 0
+    time_budget: float = 0.0
+    save_dtype: str = "bf16"
+    fresh: bool = False
+    gamma: float = 7.0
+    bar: bool = True
+
+
+def load_samples(out: Path) -> list[dict[str, Any]]:
+    """Every sample of the shards, ordered by index."""
+    samples = [s for f in sorted((out / "data").glob("*.pt")) for s in torch.load(f, weights_only=False)]
+    return sorted(samples, key=lambda s: int(s["i"]))
+
+
+def is_held_out(i: int, frac: float) -> bool:
+    return frac > 0 and int(i) % max(2, round(1 / frac)) == 0
+
+
+def drafter_shape(hidden: int, layers: int = 2, heads: int = 0, kv_heads: int = 0,
+                  intermediate: int = 0) -> dict[str, int]:
+    """A drafter's shape for a target of width ``hidden`` (heads of 64 where it divides, kv heads a third or a
+    half of them, the MLP 16/9 of the width)."""
+    if not heads:
+        heads = hidden // 64 if hidden % 64 == 0 else max(1, hidden // 32 if hidden % 32 == 0 else 1)
+    if hidden % heads:
+        raise ValueError(f"drafter heads {heads} do not divide the hidden size {hidden}")
+    if not kv_heads:
+        kv_heads = heads // 3 if heads % 3 == 0 else (heads // 2 if heads % 2 == 0 else heads)
+    if not intermediate:
+        intermediate = max(64, round(hidden * 16 / 9 / 64) * 64)
+    return {"num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": hidden // heads,
+            "intermediate_size": intermediate}
+
+
+def new_config(served: Any, model_id: str, layers: tuple[int, ...], block_size: int, mask_token: int | None,
+               shape: dict[str, int]) -> BlockConfig:
+    caps = served.engine.caps
+    H = int(caps.hidden_size)
+    V = int(served.tokenizer.vocab_size)
+    return BlockConfig(hidden_size=H, vocab_size=V, target_layer_ids=tuple(layers),
+                       mask_token_id=V - 1 if mask_token is None else int(mask_token), block_size=block_size,
+                       num_target_layers=len(caps.hidden_layers), rope_theta=10000.0, rms_norm_eps=1e-6,
+                       target=model_id, tokenizer=served.tokenizer.fingerprint(),
+                       extra={"target_vocab_size": V}, **shape)
+
+
+class _Batch:
+    """One sample's blocks: anchors, block ids and positions, the attention mask and the labels."""
+
+    def __init__(self, s: dict[str, Any], anchors: list[int], B: int, mask_id: int, device: torch.device) -> None:
+        tok = s["tokens"].long()
+        T = tok.numel()
+        a = torch.tensor(anchors, dtype=torch.long)
+        nb = a.numel()
+        pos = a[:, None] + torch.arange(B)[None, :]                                  # [nb, B]
+        ids = torch.full((nb, B), mask_id, dtype=torch.long)
+        ids[:, 0] = tok[a]
+        labels = torch.where(pos < T, tok[pos.clamp(max=T - 1)], torch.full_like(pos, -100))[:, 1:]
+        ctx_ok = (torch.arange(T)[None, :] < a[:, None]).repeat_interleave(B, dim=0)  # [nb*B, T]
+        blk = torch.arange(nb * B) // B
+        self.T, self.nb = T, nb
+        self.mask = torch.cat([ctx_ok, blk[:, None] == blk[None, :]], dim=1).to(device)
+        self.ids, self.pos = ids.reshape(-1).to(device), pos.reshape(-1).to(device)
+        self.labels = labels.to(device)                                              # [nb, B - 1]
+
+
+class Trainer:
+    def __init__(self, served: Any, cfg: BlockConfig, o: TrainOptions) -> None:
+        self.o, self.cfg = o, cfg
+        self.device = torch.device(o.device)
+        parts = served.engine.target_parts()
+        if parts is None:
+            raise ValueError("the target lends no embedding and head (its runner has no parts())")
+        self.parts = parts
+        H = cfg.hidden_size
+        with torch.no_grad():
+            eye = torch.eye(H, device=parts.device, dtype=parts.dtype)
+            head = parts.head(eye).T.contiguous().clone()                            # [V, H]: W = head(I)^T
+        self.amp = self.device.type == "cuda"
+        self.head_w = head.to(self.device, torch.bfloat16 if self.amp else torch.float32)
+        self.model = BlockModel(cfg).to(self.device)
+        self._init_weights()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        w = torch.exp(-torch.arange(cfg.block_size - 1, dtype=torch.float32) / o.gamma)
+        self.pos_w = (w / w.mean()).to(self.device)
+        self.step = 0
+        self.elapsed = 0.0
+
+    def _init_weights(self) -> None:
+        g = torch.Generator().manual_seed(self.o.seed)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(1.0 / math.sqrt(2 * self.cfg.num_layers))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x = self.parts.embed(ids.to(self.parts.device)).clone()
+        return x.to(self.device, torch.float32) * self.cfg.embed_scale
+
+    def losses(self, s: dict[str, Any], anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sum of weighted losses, sum of weights, tau per block)`` of one sample's blocks."""
+        b = _Batch(s, anchors, self.cfg.block_size, self.cfg.mask_token_id, self.device)
+        feats = s["feats"].to(self.device, torch.float32)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            ctx = self.model.context(feats)
+            kv = self.model.context_kv(ctx, torch.arange(b.T, device=self.device))
+            h = self.model.blocks(self.embed(b.ids), kv, b.pos, b.mask)
+            h = h.view(b.nb, self.cfg.block_size, -1)[:, 1:]
+            logits = (h.to(self.head_w.dtype) @ self.head_w.T).float()              # [nb, B - 1, V]
+        logits = logits * self.cfg.output_multiplier
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b.labels.reshape(-1), ignore_index=-100,
+                             reduction="none").view(b.nb, -1)
+        valid = (b.labels != -100).float()
+        w = self.pos_w[None, :] * valid
+        right = (logits.argmax(-1) == b.labels) & (b.labels != -100)
+        tau = 1 + right.long().cumprod(dim=1).sum(dim=1)
+        return (ce * w).sum(), w.sum(), tau.float()
+
+    def anchors(self, s: dict[str, Any], rng: random.Random, k: int) -> list[int]:
+        T, P = int(s["tokens"].numel()), int(s["prompt_len"])
+        cand = list(range(max(P, 1), T - 1))
+        return sorted(rng.sample(cand, min(k, len(cand)))) if cand else []
+
+    def lr_at(self, progress: float) -> float:
+        o = self.o
+        if self.step < o.warmup:
+            return o.lr * (self.step + 1) / o.warmup
+        return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    def evaluate(self, held: Sequence[dict[str, Any]]) -> dict[str, float]:
+        rng = random.Random(1234)
+        tot = wsum = 0.0
+        taus: list[torch.Tensor] = []
+        self.model.eval()
+        with torch.no_grad():
+            for s in held:
+                a = self.anchors(s, rng, self.o.anchors)
+                if not a:
+                    continue
+                loss, w, tau = self.losses(s, a)
+                tot += float(loss)
+                wsum += float(w)
+                taus.append(tau)
+        self.model.train()
+        t = torch.cat(taus) if taus else torch.zeros(1)
+        return {"held_loss": round(tot / max(wsum, 1e-9), 4), "held_tau": round(float(t.mean()), 3),
+                "held_blocks": int(t.numel())}
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def save(self, extra: dict[str, Any]) -> None:
+        ck = self.o.out / "ckpt"
+        ck.mkdir(parents=True, exist_ok=True)
+        state = {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                 "elapsed": self.elapsed, "config": self.cfg.to_json(), "rng": torch.get_rng_state()}
+        torch.save(state, ck / "state.pt.part")
+        os.replace(ck / "state.pt.part", ck / "state.pt")
+        cfg = BlockConfig(**{**self.cfg.__dict__, "extra": {**self.cfg.extra, **extra}})
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.o.save_dtype]
+        save_checkpoint(self.model, self.o.out / "drafter", dtype=dt, cfg=cfg)
+
+    def resume(self) -> bool:
+        path = self.o.out / "ckpt" / "state.pt"
+        if self.o.fresh or not path.exists():
+            return False
+        state = torch.load(path, weights_only=False, map_location=self.device)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+        return True
+
+
+def _config_from_state(out: Path) -> BlockConfig | None:
+    path = out / "ckpt" / "state.pt"
+    if not path.exists():
+        return None
+    tmp = out / "ckpt" / "config"
+    tmp.mkdir(exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(torch.load(path, weights_only=False, map_location="cpu")["config"]))
+    return read_config(tmp)
+
+
+def train(o: TrainOptions, cfg: BlockConfig | None, log: Any = None, served: Any = None) -> dict[str, Any]:
+    """Stage 2: train (or resume) to ``o.steps`` steps or the time budget; returns the last record."""
+    samples = load_samples(o.out)
+    if not samples:
+        raise ValueError(f"{o.out / 'data'}: no samples (run the data stage first)")
+    held = [s for s in samples if is_held_out(int(s["i"]), o.held_out)]
+    train_set = [s for s in samples if not is_held_out(int(s["i"]), o.held_out)] or samples
+    if served is None:
+        served = _load(o.model, o.weights, o.device, o.dtype, 64)
+    if not o.fresh:
+        cfg = _config_from_state(o.out) or cfg
+    if cfg is None:
+        raise ValueError("train: no drafter config (none given and no checkpoint to resume)")
+    tr = Trainer(served, cfg, o)
+    resumed = tr.resume()
+    rng = random.Random(o.seed * 7919 + tr.step)
+    t_start = time.monotonic()
+    elapsed_before = tr.elapsed
+    horizon = elapsed_before + o.time_budget if o.time_budget > 0 else 0.0
+    tokens = sum(int(s["tokens"].numel()) for s in train_set)
+    base = {"samples": len(samples), "train_samples": len(train_set), "held_samples": len(held),
+            "train_tokens": tokens}
+    if log is not None:
+        log({"stage": "train-start", "step": tr.step, "resumed": resumed, **base})
+    bar = _bar(max(0, o.steps - tr.step), "train", o.bar and sys.stderr.isatty())
+    rec: dict[str, Any] = {}
+    stop = False
+    while tr.step < o.steps and not stop:
+        now = elapsed_before + time.monotonic() - t_start
+        progress = max(tr.step / max(o.steps, 1), now / horizon if horizon else 0.0)
+        for group in tr.opt.param_groups:
+            group["lr"] = tr.lr_at(progress)
+        tr.opt.zero_grad(set_to_none=True)
+        tot = torch.zeros((), device=tr.device)
+        wsum = torch.zeros((), device=tr.device)
+        for s in rng.sample(train_set, min(o.samples_per_step, len(train_set))):
+            a = tr.anchors(s, rng, o.anchors)
+            if a:
+                loss, w, _ = tr.losses(s, a)
+                tot = tot + loss
+                wsum = wsum + w
+        loss = tot / wsum.clamp(min=1e-9)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(tr.model.parameters(), 1.0)
+        tr.opt.step()
+        tr.step += 1
+        bar.update(1)
+        tr.elapsed = elapsed_before + time.monotonic() - t_start
+        stop = bool(horizon) and tr.elapsed >= horizon
+        last = tr.step >= o.steps or stop
+        if tr.step % o.eval_every == 0 or last:
+            rec = {"stage": "eval", "step": tr.step, "loss": round(float(loss.detach()), 4), "lr": round(tr.lr_at(progress), 7),
+                   "seconds": round(tr.elapsed, 1), **tr.evaluate(held or train_set[:8])}
+            if log is not None:
+                log(rec)
+        if tr.step % o.checkpoint_every == 0 or last:
+            tr.save({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
+                     **{k: v for k, v in rec.items() if k.startswith("held_")}})
+    bar.close()
+    if tr.step >= o.steps and not rec:   # resumed at the end: one evaluation, one save
+        rec = {"stage": "eval", "step": tr.step, "seconds": round(tr.elapsed, 1), **tr.evaluate(held or train_set[:8])}
+        tr.save({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
+                 **{k: v for k, v in rec.items() if k.startswith("held_")}})
+    end = {"stage": "train-end", "step": tr.step, "seconds": round(tr.elapsed, 1), **base,
+           **{k: v for k, v in rec.items() if k.startswith("held_")}}
+    if log is not None:
+        log(end)
+    return end
+
+
+def jsonl_logger(path: Path) -> Any:
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(rec: dict[str, Any]) -> None:
+        rec = {"time": round(time.time(), 1), **rec}
+        with path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(" ".join(f"{k}={v}" for k, v in rec.items() if k != "time"), file=sys.stderr, flush=True)
+
+    return log
+
+
+def iter_log(path: Path) -> Iterator[dict[str, Any]]:
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
+def pick_layers(num_layers: int, count: int, explicit: Sequence[int] = ()) -> tuple[int, ...]:
+    return tuple(explicit) if explicit else default_layers(num_layers, count)

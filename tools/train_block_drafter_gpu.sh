@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Train the block drafter for the default model (SmolLM2-135M-Instruct) on one H200, then benchmark it on CUDA.
+#
+#   tools/train_block_drafter_gpu.sh PART [PART...]        results under $OUT (or ./gpu-out)
+#
+#   split    (run HERE, not on the device) cut the pulled GGUF into .smol/part-?? of 30 MiB (the device has no
+#            network and a call carries at most 64 MiB); add /.smol/ to .git/info/exclude first
+#   stash    (device) copy the carried .smol/part-?? to /tmp/tandem-block/parts/, which outlives the call while
+#            the machine stays warm (a call per part: carry .smol/part-aa, then .smol/part-ab, ...)
+#   setup    (device) tools/gpu_session.sh setup: the carried wheels (.whl/) and TandemLLM into /tmp/site
+#   model    (device) the GGUF into $TANDEM_HOME/models/smollm2-135m/: `tandem pull` when the hub answers, else the
+#            stashed parts joined; its sha256 checked against the registry's
+#   data     tandem train-drafter --stage data on cuda, $WORKERS processes, for $DATA_BUDGET seconds at most
+#   train    tandem train-drafter --stage train on cuda, for $TRAIN_BUDGET seconds at most (resumes)
+#   bench    tools/bench_block_drafter.py on cuda (held-out code, agent and chat prompts): $OUT/block-drafter.md
+#   collect  the drafter (config.json, model.safetensors), log.jsonl, the registry snippet (size, sha256) to $OUT
+#
+# Every stage resumes: a second call continues the shards and the training from their last checkpoint (the work
+# folder, /tmp/tandem-block/work, stays while the machine is warm). The default budgets fit one 10-minute call:
+#
+#   call 1..n-1: carry [.smol/part-aa] ...           command: tools/train_block_drafter_gpu.sh stash
+#   call n:      carry [.smol/part-ac, .whl]          command: tools/train_block_drafter_gpu.sh stash setup model \
+#                                                              data train bench collect
+#
+# Shipping the result (here, after the run): copy $OUT/drafter-config.json and $OUT/drafter-model.safetensors to
+# tandem_core/shipped/models/smollm2-135m/drafters/block/config.json and .../model.safetensors, paste
+# $OUT/registry-snippet.yaml into that model.yaml (top level), add "block" to its methods, and put
+# $OUT/block-drafter.md's section into docs/measurements/block-drafter.md; `tandem registry --check` then checks
+# the sizes, `tandem pull` copies and verifies the files, and `--spec auto` (the default) drafts with them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+BASE=${BASE:-/tmp/tandem-block}
+export TANDEM_HOME=${TANDEM_HOME:-$BASE/home}
+WORK=${WORK:-$BASE/work}
+MODEL=smollm2-135m
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+DEVICE=${DEVICE:-cuda}           # cpu: the same flow on the CPU (a smoke test, tiny budgets)
+WORKERS=${WORKERS:-8}
+SAMPLES=${SAMPLES:-6000}
+DATA_BUDGET=${DATA_BUDGET:-170}
+TRAIN_BUDGET=${TRAIN_BUDGET:-170}
+STEPS=${STEPS:-8000}
+BENCH_PROMPTS=${BENCH_PROMPTS:-6}
+start=$(date +%s)
+say() { echo "[$(( $(date +%s) - start ))s] $*"; }
+sha_of_registry() { python3 -c "import yaml,sys; print(yaml.safe_load(open('tandem_core/shipped/models/$MODEL/model.yaml'))['source']['sha256'])"; }
+
+split() {
+    local src=${GGUF:-.tandem-test-cache/models/$MODEL/$GGUF_NAME}
+    [ -f "$src" ] || { echo "no $src: run 'TANDEM_HOME=.tandem-test-cache tandem pull $MODEL' first"; exit 2; }
+    mkdir -p .smol && rm -f .smol/part-*
+    command split -b 30M "$src" .smol/part-
+    ls -l .smol
+}
+
+stash() {
+    mkdir -p "$BASE/parts"
+    cp -v .smol/part-* "$BASE/parts/" 2>/dev/null || echo "no .smol/part-* carried in this call"
+    ls -l "$BASE/parts"
+}
+
+setup() {
+    tools/gpu_session.sh setup
+}
+
+model() {
+    local dir=$TANDEM_HOME/models/$MODEL want
+    want=$(sha_of_registry)
+    mkdir -p "$dir"
+    if [ ! -f "$dir/$GGUF_NAME" ]; then
+        if ls "$BASE"/parts/part-* >/dev/null 2>&1; then
+            cat "$BASE"/parts/part-* > "$dir/$GGUF_NAME.part" && mv "$dir/$GGUF_NAME.part" "$dir/$GGUF_NAME"
+        else
+            timeout 90 tandem pull "$MODEL" --quiet || { echo "no GGUF: no network, and no parts stashed"; exit 3; }
+        fi
+    fi
+    local got
+    got=$(sha256sum "$dir/$GGUF_NAME" | cut -d' ' -f1)
+    [ "$got" = "$want" ] || { echo "GGUF sha256 $got is not the registry's $want"; rm -f "$dir/$GGUF_NAME"; exit 3; }
+    say "model $dir/$GGUF_NAME verified"
+}
+
+data() {
+    timeout $(( DATA_BUDGET + 120 )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage data \
+        --samples "$SAMPLES" --max-new 256 --max-prompt 768 --workers "$WORKERS" --data-budget "$DATA_BUDGET" \
+        2>&1 | grep -v '^\s*$' | tail -20
+}
+
+train() {
+    timeout $(( TRAIN_BUDGET + 120 )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage train \
+        --steps "$STEPS" --train-budget "$TRAIN_BUDGET" --layers 2 --target-layers 4 --block-size 16 \
+        --samples-per-step 16 --anchors 24 --lr 8e-4 --warmup 100 --eval-every 250 --checkpoint-every 500 \
+        2>&1 | tail -40
+}
+
+bench() {
+    timeout 300 python3 tools/bench_block_drafter.py --model "$MODEL" --drafter "$WORK/drafter" --device "$DEVICE" \
+        --prompts "$BENCH_PROMPTS" --max-new "${BENCH_NEW:-128}" --md "$OUT/block-drafter.md" --json "$OUT/bench.json" \
+        --title "H200 (trained on the H200 by tools/train_block_drafter_gpu.sh)" 2>&1 | tail -30
+}
+
+collect() {
+    cp "$WORK/drafter/config.json" "$OUT/drafter-config.json"
+    cp "$WORK/drafter/model.safetensors" "$OUT/drafter-model.safetensors"
+    cp "$WORK/log.jsonl" "$OUT/train-log.jsonl"
+    python3 - "$WORK/drafter" > "$OUT/registry-snippet.yaml" <<'EOF'
+import hashlib, sys
+from pathlib import Path
+d = Path(sys.argv[1])
+print("drafters:\n  block:\n    description: block drafter trained by tools/train_block_drafter_gpu.sh\n"
+      "    source: {kind: registry, path: drafters/block}\n    files:")
+for name in ("config.json", "model.safetensors"):
+    b = (d / name).read_bytes()
+    print(f"      {name}: {{bytes: {len(b)}, sha256: {hashlib.sha256(b).hexdigest()}}}")
+EOF
+    cat "$OUT/registry-snippet.yaml"
+    ls -l "$OUT"
+}
+
+for part in "$@"; do
+    say "== $part"
+    "$part" || { say "$part failed"; exit 4; }
+done
+say "done"
