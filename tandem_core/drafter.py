@@ -58,6 +58,7 @@ class Requirements:
     tokenizer      the sha256 fingerprint of the tokenizer its token ids mean, or None (any tokenizer)
     vocab_size     the vocabulary its own head or tables assume, or None (any)
     hidden_size    the width of the hidden rows it reads (and of the embedding and head), or None (any)
+    mtp            it drives the target's own MTP head (``tandem_core.engine.base.MTPEngine``)
     """
 
     hidden_layers: tuple[int, ...] = ()
@@ -66,6 +67,7 @@ class Requirements:
     tokenizer: str | None = None
     vocab_size: int | None = None
     hidden_size: int | None = None
+    mtp: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,9 @@ class TargetParts:
 @dataclass(frozen=True)
 class TargetInfo:
     """What a target offers a drafter. ``name`` is the model's id (messages, and where a drafter looks for the
-    files shipped beside the model); ``parts`` the embedding and head themselves, when the engine lends them."""
+    files shipped beside the model); ``parts`` the embedding and head themselves, when the engine lends them;
+    ``mtp`` the decoder layers of its MTP head (0: none); ``engine`` the engine the drafter drafts for, when it
+    is built for one (the MTP drafter drives that engine's own head)."""
 
     hidden_layers: tuple[int, ...] = ()
     embedding: bool = False
@@ -95,14 +99,17 @@ class TargetInfo:
     name: str = ""
     hidden_size: int = 0
     parts: TargetParts | None = field(default=None, compare=False, repr=False)
+    mtp: int = 0
+    engine: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, caps: Any, *, tokenizer: str | None, vocab_size: int, embedding: bool = True,
            head: bool = True, name: str = "", hidden_size: int = 0,
-           parts: TargetParts | None = None) -> TargetInfo:
-        """From an engine's ``Capabilities`` (its ``hidden_layers``) and the served tokenizer."""
+           parts: TargetParts | None = None, engine: Any = None) -> TargetInfo:
+        """From an engine's ``Capabilities`` (its ``hidden_layers``, its MTP head) and the served tokenizer;
+        ``engine``: the engine itself, for a drafter built for it."""
         return cls(tuple(caps.hidden_layers), embedding, head, tokenizer, int(vocab_size), name,
-                   int(hidden_size), parts)
+                   int(hidden_size), parts, int(caps.mtp), engine)
 
     @classmethod
     def of_engine(cls, engine: Any, *, tokenizer: str | None, vocab_size: int, name: str = "") -> TargetInfo:
@@ -112,7 +119,7 @@ class TargetInfo:
         parts = lend() if callable(lend) else None
         return cls.of(engine.caps, tokenizer=tokenizer, vocab_size=vocab_size, embedding=parts is not None,
                       head=parts is not None, name=name, hidden_size=int(getattr(engine.caps, "hidden_size", 0)),
-                      parts=parts)
+                      parts=parts, engine=engine)
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,9 @@ def check_target(drafter_name: str, requirements: Requirements, target: TargetIn
     if requirements.tokenizer is not None and requirements.tokenizer != target.tokenizer:
         theirs = target.tokenizer or "unknown"
         problems.append(f"tokenizer sha256 {requirements.tokenizer} (the target's is {theirs})")
+    if requirements.mtp and not target.mtp:
+        problems.append("an MTP head (the target's checkpoint ships none, or its engine offers none: "
+                        "caps.mtp is 0)")
     if requirements.vocab_size is not None and requirements.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {requirements.vocab_size} (the target's is {target.vocab_size})")
     if requirements.hidden_size is not None and requirements.hidden_size != target.hidden_size:

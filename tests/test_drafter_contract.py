@@ -123,3 +123,10 @@ def test_the_plugin_imports_nothing_heavy():
             % str(ROOT / "plugins" / "drafters"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_drafter_that_drives_an_mtp_head_is_refused_without_one():
+    check_target("mtp", Requirements(mtp=True), TargetInfo(mtp=1))
+    with pytest.raises(DrafterMismatch, match=r"drafter 'mtp' cannot draft for target 'm': it needs an MTP head"):
+        check_target("mtp", Requirements(mtp=True), TargetInfo(name="m"))
+    assert TargetInfo.of(Capabilities(tree=True, mtp=2), tokenizer=None, vocab_size=10).mtp == 2

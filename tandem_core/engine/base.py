@@ -12,10 +12,17 @@ Protocols here are split by capability:
   token tree on top of the sequence without committing; ``commit_tree(path)``
   keeps one root-to-leaf path; ``rollback_to(n)`` forgets tokens past ``n``.
 - ``ResumableEngine`` (``caps.resume``): ``resume_at(n, sections)`` for the caches.
+- ``MTPEngine`` (``caps.mtp``): a tree engine whose checkpoint ships a multi-token-prediction head.
+  ``mtp_head()`` is the head (a ``DraftHead``: the family's arithmetic over its own KV rows);
+  ``appended_rows()`` are the rows the head reads (the target's hidden states, or a tapped layer's,
+  ``DraftHead.reads``) of the tokens the last forward or ``commit_tree`` appended: captured inside
+  the forward and the verify that computed them, never by another target pass. The shared MTP
+  drafter (``tandem_drafters.mtp``) drives both.
 
-``supports_tree(engine)`` and ``supports_resume(engine)`` read the flags and narrow the type
-(``TypeIs``), so a caller needs neither ``hasattr`` nor a ``# type: ignore``. Every engine built on the
-core's ``SequenceEngine`` (``tandem_core.engine.sequence``) offers both.
+``supports_tree(engine)``, ``supports_resume(engine)`` and ``supports_mtp(engine)`` read the flags and
+narrow the type (``TypeIs``), so a caller needs neither ``hasattr`` nor a ``# type: ignore``. Every
+engine built on the core's ``SequenceEngine`` (``tandem_core.engine.sequence``) offers the first two;
+it offers the third when it was given a head.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from tandem_core.state import ModelState
 __all__ = [
     "Capabilities", "MemoryPart", "Manifest", "Engine", "TreeEngine", "ResumableEngine", "KVInfo",
     "TreeOut", "Trace", "restore_state", "supports_tree", "supports_resume", "source_files", "op_paths",
-    "tensor_bytes",
+    "tensor_bytes", "DraftHead", "HeadRows", "MTPEngine", "supports_mtp",
 ]
 
 
@@ -56,6 +63,7 @@ class Capabilities:
                                 # forwards split at multiples of it give the same bits (0: not said)
     graph_widths: tuple[int, ...] = ()  # verify widths captured as CUDA graphs (decode is width 1); (): eager
     hidden_size: int = 0        # the width of the hidden rows (a drafter's taps); 0: not said
+    mtp: int = 0                # decoder layers of the MTP head ``mtp_head()`` offers (0: no head)
 
 
 def source_files(*things: Any) -> set[str]:
@@ -223,6 +231,65 @@ class ResumableEngine(Engine, Protocol):
         """Take the sequence back to ``n`` tokens whose views are already in the buffers (a common
         prefix), with the recurrent ``sections`` after exactly ``n`` tokens (an anchor's)."""
         ...
+
+
+class HeadRows(NamedTuple):
+    """What one ``DraftHead.run`` computed for rows ``start .. start + T - 1``."""
+
+    carry: torch.Tensor           # [T, D] what the next depth reads in place of the target's rows
+    logits: torch.Tensor | None   # fp32 [T, V] the guess at the token two past each row's (None: not asked)
+
+
+@runtime_checkable
+class DraftHead(Protocol):
+    """A checkpoint's multi-token-prediction head: the family's arithmetic, over its own KV rows.
+
+    Row ``i`` reads ``(x_{i+1}, h_i)``: the token after position ``i`` and the target's row at ``i``
+    (``reads``: None for the hidden state after the final norm, ``Rows.hidden``; a layer index for that
+    layer's tapped rows, ``Rows.taps``); its logits are the head's guess at ``x_{i+2}``. A deeper draft
+    step feeds a row's ``carry`` and its guessed token back at ``i + 1``. ``run`` writes the head's own
+    KV rows at ``start ..`` (``views``: tensor and token axis, ``max_context`` positions); what it
+    attends to is the head's rows ``0 .. start + T - 1``, so the caller keeps those rows true for the
+    sequence (``tandem_drafters.mtp``). One row is the decode form, several the prefill form.
+    """
+
+    layers: int                 # decoder layers; draft depth k runs layer k % layers
+    reads: int | None           # None: the target's hidden after the final norm; else the tapped layer
+    width: int                  # D, the features of a row it reads
+    max_context: int
+
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0,
+            logits: bool = True) -> HeadRows:
+        """``tokens [T]`` (each row's next token) and ``hidden [T, D]`` at positions ``start ..``; ``logits``
+        False: the rows only (a capture that only fills the head's KV rows skips the output head)."""
+        ...
+
+    def views(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """The head's own rows: name -> (tensor, token axis)."""
+        ...
+
+    def memory_parts(self) -> list[MemoryPart]:
+        ...
+
+
+@runtime_checkable
+class MTPEngine(TreeEngine, Protocol):
+    """A tree engine with an MTP head (``caps.mtp``)."""
+
+    def mtp_head(self) -> DraftHead:
+        """The head (one per engine: its KV rows follow this engine's sequence)."""
+        ...
+
+    def appended_rows(self) -> tuple[int, torch.Tensor]:
+        """``(start, rows [T, D])``: what the head reads of the tokens the last ``forward`` or
+        ``commit_tree`` appended, at positions ``start .. start + T - 1`` (tokens taken back since are cut
+        off; after a reset, a restore or a resume: ``(length, [0, D])``). Valid until the next forward."""
+        ...
+
+
+def supports_mtp(engine: Engine) -> TypeIs[MTPEngine]:
+    """Whether ``engine`` offers an MTP head (``caps.mtp``) with the tree verbs a drafter's proposals need."""
+    return engine.caps.tree and engine.caps.mtp > 0
 
 
 def supports_tree(engine: Engine) -> TypeIs[TreeEngine]:

@@ -19,6 +19,10 @@ The engine owns the sequence; the runner only computes (``tandem_core.engine.run
                          step, or a last chunk of one row) is the runner's ``decode``
     traces               ``trace_forward`` / ``trace_tree`` (the self-check's ``LayerTrace``), when the
                          runner honours ``capture`` (``spec.trace``)
+    an MTP head          given at construction (``head=``, a ``DraftHead``): ``caps.mtp``, ``mtp_head()``
+                         and ``appended_rows()`` (``tandem_core.engine.base.MTPEngine``): the rows the head
+                         reads of the tokens the last forward or commit appended, from that call's own
+                         rows (the head's layer is tapped for as long as the engine lives)
 
 Hot verbs: ``forward``, ``forward_tree``, ``forward_block``, ``commit_tree``, ``rollback_to``, ``picks``,
 ``hidden_post_norm``, ``hidden_at``, ``kv.length``, ``state``, ``reset``. Cold verbs: ``caps``,
@@ -37,7 +41,7 @@ from typing import Any
 import torch
 
 from tandem_core.drafter import TargetParts
-from tandem_core.engine.base import Capabilities, Manifest, MemoryPart, Trace, TreeOut
+from tandem_core.engine.base import Capabilities, DraftHead, Manifest, MemoryPart, Trace, TreeOut
 from tandem_core.engine.runner import Capture, Rows, Runner, Step, TreeStep
 from tandem_core.ops import _tree
 from tandem_core.state import ModelState, View
@@ -95,7 +99,7 @@ class _Pending:
 class SequenceEngine:
     """One sequence over ``runner`` (which it owns); ``name`` names the engine in ``repr`` and errors."""
 
-    def __init__(self, runner: Runner, *, name: str | None = None) -> None:
+    def __init__(self, runner: Runner, *, name: str | None = None, head: DraftHead | None = None) -> None:
         spec = runner.spec
         if spec.max_context < 1 or spec.max_tree < 1 or spec.prefill_chunk < 1:
             raise ValueError(f"runner spec: max_context ({spec.max_context}), max_tree ({spec.max_tree}) and "
@@ -117,7 +121,35 @@ class SequenceEngine:
             tree=True, resume=True, max_context=spec.max_context, max_tree=spec.max_tree,
             hidden_layers=spec.hidden_layers, device=spec.device, dtype=spec.dtype,
             workspace_bytes_per_token=spec.workspace_bytes_per_token, trace=spec.trace,
-            prefill_chunk=spec.prefill_chunk, graph_widths=spec.graph_widths, hidden_size=spec.hidden_size)
+            prefill_chunk=spec.prefill_chunk, graph_widths=spec.graph_widths, hidden_size=spec.hidden_size,
+            mtp=0 if head is None else int(head.layers))
+        self._head = head
+        # the MTP head's rows: None after a forward (all rows), a commit's path, or () (none: state changed)
+        self._appended: tuple[int, ...] | None = ()
+        self._appended_start = 0
+        # the head's rows of consecutive prefill forwards (a prompt run in chunks with safe points between
+        # them), until the drafter takes them: positions _appended_start .. + _head_count - 1, the earlier
+        # calls' copied (_head_rows), the last call's as the runner returned them (_head_last)
+        self._head_rows: list[torch.Tensor] = []
+        self._head_last: torch.Tensor | None = None
+        self._head_count = 0
+        self._taken = False
+        if head is not None:
+            self._check_head(head)
+            if head.reads is not None:
+                self.tap([head.reads])
+
+    def _check_head(self, head: DraftHead) -> None:
+        width = self.runner.spec.hidden_size if head.reads is None else None
+        if width is not None and head.width != width:
+            raise ValueError(f"{self.name}: the MTP head reads rows of {head.width} features, the target's "
+                             f"hidden states have {width}")
+        if head.reads is not None and head.reads not in self.caps.hidden_layers:
+            raise ValueError(f"{self.name}: the MTP head reads layer {head.reads}, which cannot be tapped "
+                             f"(caps.hidden_layers: {list(self.caps.hidden_layers)})")
+        if head.max_context < self.caps.max_context:
+            raise ValueError(f"{self.name}: the MTP head holds {head.max_context} positions, the engine "
+                             f"{self.caps.max_context}")
 
     # -- hot verbs ------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor | Sequence[int], *, all_logits: bool = False) -> torch.Tensor:
@@ -176,6 +208,8 @@ class SequenceEngine:
         if self._recurrent:
             self._pending.kept.append(kept)
         self._state.length = tree.start + len(idx)
+        self._appended, self._appended_start = tuple(idx), tree.start
+        self._head_rows, self._head_last, self._head_count = [], None, 0
 
     @torch.inference_mode()
     def rollback_to(self, n: int) -> None:
@@ -229,6 +263,39 @@ class SequenceEngine:
             rows[:] = [torch.cat(rows)]
         return rows[0]
 
+    def mtp_head(self) -> DraftHead:
+        """The MTP head given at construction (``caps.mtp``); refused, naming the engine, without one."""
+        if self._head is None:
+            raise RuntimeError(f"mtp_head: {self.name} was built without an MTP head (caps.mtp is 0)")
+        return self._head
+
+    def appended_rows(self) -> tuple[int, torch.Tensor]:
+        """``(start, rows [T, D])``: what the MTP head reads (``hidden_post_norm`` or the tapped layer
+        ``head.reads``) of the tokens the last ``forward`` or ``commit_tree`` appended (a prompt forwarded in
+        several calls, each of two tokens or more, counts as one forward until these rows are taken), at
+        positions ``start ..``; tokens taken back since are cut off; ``(length, [0, D])`` after a reset, a
+        restore, a resume, or when the last call was a verify not yet committed. Valid until the next
+        forward."""
+        head = self.mtp_head()
+        n = self.kv.length
+        picked = self._appended
+        if picked == () or self._tree is not None:
+            return n, self._empty_rows(head)
+        self._taken = True
+        if picked is None:
+            if self._head_last is None:
+                return n, self._empty_rows(head)
+            rows = torch.cat([*self._head_rows, self._head_last]) if self._head_rows else self._head_last
+        else:
+            rows = self.hidden_post_norm() if head.reads is None else self.hidden_at(head.reads)
+            rows = rows.index_select(0, torch.tensor(picked, dtype=torch.long, device=rows.device))
+        start = self._appended_start
+        keep = max(0, min(rows.shape[0], n - start))
+        return start, rows[:keep]
+
+    def _empty_rows(self, head: DraftHead) -> torch.Tensor:
+        return torch.zeros(0, head.width, device=self.caps.device)
+
     @property
     def state(self) -> ModelState:
         """The live state over the runner's buffers."""
@@ -269,6 +336,8 @@ class SequenceEngine:
         """Keep the residual rows after ``layers`` of every later forward (``hidden_at``); ``()`` stops.
         Refuses a layer outside ``caps.hidden_layers``, naming it."""
         want = tuple(sorted({int(i) for i in layers}))
+        if self._head is not None and self._head.reads is not None:    # the head's layer stays tapped
+            want = tuple(sorted({*want, int(self._head.reads)}))
         bad = [i for i in want if i not in self.caps.hidden_layers]
         if bad:
             raise ValueError(f"tap: layers {bad} cannot be tapped on {self.name} "
@@ -291,6 +360,8 @@ class SequenceEngine:
 
     def memory_parts(self) -> list[MemoryPart]:
         parts = self.runner.memory_parts()
+        if self._head is not None:
+            parts += self._head.memory_parts()
         if self._keep:
             parts.append(MemoryPart("pending.sections", sum(t.numel() * t.element_size()
                                                             for t in self._keep.values()), self.caps.device))
@@ -356,6 +427,14 @@ class SequenceEngine:
         self.settle()
         self._tree = None
         self._clear_rows()
+        # a prompt's next chunk continues the rows the head has not taken yet; anything else starts afresh
+        follows = (self._head is not None and self._appended is None and not self._taken
+                   and self._head_count >= 2 and self._appended_start + self._head_count == n)
+        if not follows:
+            self._appended_start, self._head_rows, self._head_last, self._head_count = n, [], None, 0
+        elif self._head_last is not None:   # maybe a view of the runner's buffers, which its next call reuses
+            self._head_rows.append(self._head_last.clone())
+        self._appended, self._taken = None, False
         logits: list[torch.Tensor] = []
         chunk = self.caps.prefill_chunk
         for s in range(0, T, chunk):
@@ -370,6 +449,10 @@ class SequenceEngine:
             self._got(rows)
             if rows.logits is not None and (all_logits or s + chunk >= T):
                 logits.append(rows.logits if all_logits else rows.logits[-1:])
+        if self._head is not None:
+            self._head_last = (self.hidden_post_norm() if self._head.reads is None
+                               else self.hidden_at(self._head.reads))
+            self._head_count += T
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     @torch.inference_mode()
@@ -388,6 +471,7 @@ class SequenceEngine:
             raise ContextFull(f"forward_tree: {n} tokens held + a path of {max(depth) + 1} exceed the engine's "
                               f"context of {self.caps.max_context}")
         self._tree = None
+        self._appended = ()
         step = TreeStep(n, tuple(par), tuple(depth), tuple(_tree.preorder(par)))
         rows = self.runner.verify(ids, step, capture=capture)
         self._clear_rows()
@@ -399,6 +483,8 @@ class SequenceEngine:
     def _forget(self) -> None:
         self._tree = None
         self._pending = None
+        self._appended = ()
+        self._head_rows, self._head_last, self._head_count = [], None, 0
 
     def __repr__(self) -> str:
         c = self.caps

@@ -4,14 +4,16 @@
 
 - ``--spec off`` (or no drafter named): plain decoding;
 - an engine without tree verbs (``caps.tree`` off): plain decoding, one log line;
-- a drafter that does not fit the target (``check_target``): refused by name, plain decoding;
+- a drafter that does not fit the target (``check_target``): refused by name, plain decoding (``--spec mtp``
+  on a checkpoint without an MTP head, say);
 - the self-check (``spec.selfcheck``), on a spare engine in the background when the plugin can
   spawn one (the server decodes plainly until it passes), replays a recorded decode as chains and
   trees of every verify width up to ``--max-tree`` and compares every row bit for bit: on a
   difference speculation is off for the process, with one log line naming the layer and row,
   and ``/health`` says so.
 
-Each engine gets its own drafters (they keep that engine's session history) and its own
+Each engine gets its own drafters, built for it (they keep that engine's session history; the MTP
+drafter drives that engine's own head, ``TargetInfo.engine``) and its own
 ``StairCut`` (prices from the model's price file for this profile and device, else learnt
 online from its own verify times). ``/metrics`` and the log line carry tokens per round and
 acceptance.
@@ -187,7 +189,8 @@ def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptio
     fingerprint = served.tokenizer.fingerprint()
     try:
         per_engine_drafters = []
-        for engine in engines:     # each engine lends its own embedding and head (shared weights) to its drafters
+        # each engine lends its own embedding and head (shared weights), and its MTP head, to its drafters
+        for engine in engines:
             target = TargetInfo.of_engine(engine, tokenizer=fingerprint, vocab_size=served.tokenizer.vocab_size,
                                           name=served.model_id)
             per_engine_drafters.append([build_drafter(name, target) for name in names])

@@ -1,4 +1,4 @@
-"""The plugin's hooks: the lookup drafter, the ``tandem corpus`` command and the plugin's settings.
+"""The plugin's hooks: the lookup, block and MTP drafters, ``tandem corpus`` and the plugin's settings.
 
 Imports nothing heavy: the drafter and the command are named by import path.
 """
@@ -15,6 +15,7 @@ __all__ = ["DRAFTERS", "SETTINGS_DECLARED", "tandem_drafters", "tandem_cli_comma
 DRAFTERS = {
     "lookup": "tandem_drafters.lookup:LookupDrafter",
     "block": "tandem_drafters.block:BlockDrafter",
+    "mtp": "tandem_drafters.mtp:MTPDrafter",
 }
 
 SETTINGS_DECLARED = (

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from tandem_core import ops
-from tandem_core.engine import Step
+from tandem_core.engine import HeadRows, MemoryPart, Step, tensor_bytes
 from tandem_core.ops import rope as _rope
 
 from tandem_flashnext.blocks import decoder_block, hyper_mix
@@ -123,7 +123,9 @@ class Draft(NamedTuple):
 
 class MTPHead:
     """The MTP head over the target's ``FlashNextWeights`` (embedding and head) and its own ``MTPWeights``,
-    with its own K/V/IK rows for ``max_context`` positions. One sequence."""
+    with its own K/V/IK rows for ``max_context`` positions. One sequence. A ``DraftHead``
+    (``tandem_core.engine.base``): ``run`` reads the last layer's tapped streams (``reads``), ``[n*H]``
+    a row."""
 
     def __init__(self, cfg: FlashNextConfig, target: FlashNextWeights, weights: MTPWeights, *,
                  max_context: int) -> None:
@@ -138,13 +140,29 @@ class MTPHead:
         self._IK = torch.zeros(L, self.max_context, cfg.indexer_head_dim, dtype=self.act_dtype,
                                device=self.device)
         self._inv_freq = _rope.inv_freq(cfg.rotary_dim, cfg.rope_theta, self.device)
+        self.layers = L
+        self.reads: int | None = cfg.num_hidden_layers - 1      # the streams after the last decoder layer
+        self.width = cfg.hc_dim
+
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0,
+            logits: bool = True) -> HeadRows:
+        """``forward`` as a ``DraftHead``: the carry is the streams before the head's final mixer; ``logits``
+        False skips the final mixer and the output head."""
+        rows = self.forward(tokens, hidden, start, layer=layer, logits=logits)
+        return HeadRows(rows.streams, rows.logits if logits else None)
+
+    def memory_parts(self) -> list[MemoryPart]:
+        dev = str(self.device)
+        return [MemoryPart("mtp.weights", self.w.nbytes, dev),
+                MemoryPart("mtp.kv", tensor_bytes(self._K, self._V, self._IK), dev)]
 
     def views(self) -> dict[str, tuple[torch.Tensor, int]]:
         """The head's own rows (tensor, token axis): ``mtp.K``, ``mtp.V`` (axis 2), ``mtp.IK`` (axis 1)."""
         return {"mtp.K": (self._K, 2), "mtp.V": (self._V, 2), "mtp.IK": (self._IK, 1)}
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, streams: torch.Tensor, start: int, *, layer: int = 0) -> MTPRows:
+    def forward(self, tokens: torch.Tensor, streams: torch.Tensor, start: int, *, layer: int = 0,
+                logits: bool = True) -> MTPRows:
         """Rows at positions ``start .. start + T - 1``: ``tokens [T]`` the next tokens, ``streams [T, n*H]``
         the streams at those positions. Writes the head's rows there; one row is the decode form."""
         cfg, op, w = self.cfg, self._op, self.w
@@ -165,6 +183,8 @@ class MTPHead:
         lw = w.layers[layer]
         mix = partial(self._attend, lw.mixer, layer, step, mm, cos, sin)
         x = decoder_block(op, mm, x, lw, cfg, mix)
+        if not logits:                          # the head's rows only (its KV rows are written)
+            return MTPRows(x, x, torch.empty(0))
         out, _ = hyper_mix(op, mm, x, w.final_hc, cfg)
         return MTPRows(out, x, mm(self.target.head, out).float())
 

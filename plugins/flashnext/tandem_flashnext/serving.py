@@ -10,8 +10,10 @@ dependency). ``spawn`` builds another engine over the same weight objects with i
 own buffers. Options read: ``prefill_chunk`` (default the ``FLASHNEXT_PREFILL_CHUNK`` setting) and
 ``max_tree`` (the widest verify, default 64).
 
-The checkpoint's MTP head (``mtp.*``) is audited with the rest and named in the record; no drafter
-reads it yet, so it is not loaded.
+The checkpoint's MTP head (``mtp.*``) is audited with the rest, loaded beside the target (the
+embedding and the head are the target's) and offered through the engine (``caps.mtp``,
+``mtp_head()``: ``tandem_core.engine.base.MTPEngine``), each engine with the head's own KV rows;
+``--spec mtp`` drafts with it (``tandem_drafters.mtp``).
 """
 
 from __future__ import annotations
@@ -29,17 +31,26 @@ from tandem_core.tokenizer import HFTokenizer, load_chat_template
 
 from tandem_flashnext.config import FlashNextConfig, read_config
 from tandem_flashnext.model import FlashNextRunner
+from tandem_flashnext.mtp import MTPHead, MTPWeights, load_mtp
 from tandem_flashnext.weights import FlashNextWeights, load_weights, normalise_dtype, open_checkpoint
 
 __all__ = ["serve", "ServeError", "build_engine"]
 
 
 def build_engine(cfg: FlashNextConfig, weights: FlashNextWeights, max_context: int, prefill_chunk: int,
-                 max_tree: int = 64, gdn_chunk: int = 64, last_streams: bool = False) -> SequenceEngine:
-    """The core's sequence engine over the reference runner (any device the weights are on)."""
+                 max_tree: int = 64, gdn_chunk: int = 64, last_streams: bool = False,
+                 mtp: MTPWeights | None = None) -> SequenceEngine:
+    """The core's sequence engine over the reference runner (any device the weights are on); with ``mtp``
+    (the checkpoint's head) it offers the head, with KV rows of its own for ``max_context`` positions."""
     runner = FlashNextRunner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
                              gdn_chunk=gdn_chunk, max_tree=max_tree, last_streams=last_streams)
-    return SequenceEngine(runner, name="qwen4_exp")
+    head = None if mtp is None else MTPHead(cfg, weights, mtp, max_context=max_context)
+    return SequenceEngine(runner, name="qwen4_exp", head=head)
+
+
+def _mtp_parameters(mtp: MTPWeights) -> int:
+    """The head's own parameters (its embedding and output head are the target's)."""
+    return sum(t.numel() for t in mtp.tensors()) + sum(lin.shape[0] * lin.shape[1] for lin in mtp.linears())
 
 
 def _think_in_prompt(served: Served) -> bool:
@@ -64,6 +75,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     ckpt = open_checkpoint(d, cfg)
     ctx.mark("audit")
     weights = load_weights(ckpt, cfg, dtype, args.device, progress=ctx.progress)
+    mtp = load_mtp(ckpt, cfg, dtype, args.device)
     ctx.mark("weights")
 
     max_context = hfdir.context_for(args.max_context, cfg.max_position_embeddings, ctx)
@@ -71,7 +83,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     if prefill_chunk < 1:
         raise ServeError(f"prefill_chunk {prefill_chunk}: must be positive")
     max_tree = int(args.options.get("max_tree", 64))
-    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree, mtp=mtp)
     ctx.mark("engine")
 
     tokenizer = HFTokenizer.from_dir(d)
@@ -91,7 +103,8 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         "layers": {"gated_deltanet": len(cfg.linear_layers), "indexed_attention": len(cfg.attention_layers),
                    "ple": len(cfg.ple_layer_ids)},
         "experts": {"routed": cfg.num_experts, "per_token": cfg.num_experts_per_tok},
-        "mtp_head": {"layers": ckpt.mtp_layers, "served": False},
+        "mtp_head": {"layers": ckpt.mtp_layers, "served": mtp is not None,
+                     "parameters": 0 if mtp is None else _mtp_parameters(mtp)},
         "max_context": max_context,
         "prefill_chunk": prefill_chunk,
         "tied_head": weights.tied,
@@ -105,7 +118,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
             f"{sum(ckpt.skipped.values())} tensors skipped ({', '.join(sorted(ckpt.skipped)) or 'none'})")
 
     def spawn() -> SequenceEngine:
-        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree, mtp=mtp)
 
     served = Served(model_id=args.model_id, engine=engine, tokenizer=tokenizer, chat_template=template,
                     tool_format="qwen_xml", reasoning=True, stop_ids=stop_ids, info=info, spawn=spawn)

@@ -126,13 +126,16 @@ def open_dir(path: Path):
 
 def load_engine(path: Path, *, dtype: str = "fp32", max_context: int = 256, prefill_chunk: int = 512,
                 gdn_chunk: int = 64, max_tree: int = 64, last_streams: bool = False):
-    """Config -> audit -> weights -> the core's engine over the runner, the way ``serve`` builds it."""
+    """Config -> audit -> weights -> the core's engine over the runner, the way ``serve`` builds it (with the
+    checkpoint's MTP head when it ships one)."""
+    from tandem_flashnext.mtp import load_mtp
     from tandem_flashnext.serving import build_engine
     from tandem_flashnext.weights import load_weights
 
     cfg, ckpt = open_dir(path)
     weights = load_weights(ckpt, cfg, dtype)
-    return build_engine(cfg, weights, max_context, prefill_chunk, max_tree, gdn_chunk, last_streams)
+    return build_engine(cfg, weights, max_context, prefill_chunk, max_tree, gdn_chunk, last_streams,
+                        mtp=load_mtp(ckpt, cfg, dtype))
 
 
 def prompt(n: int, vocab: int = 320, seed: int = 5) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Flash-Next's MTP head against its reference forward (``tests/mtp_reference.py``: vLLM's published qwen4_exp
 MTP design on transformers' own qwen4_exp modules, since transformers drops ``mtp.*``), on a tiny random head
 in the ``mtp.*`` layout: every position's rows in both forms, chained drafts, the target's streams it reads
-(its tap and the ``mtp.h_last`` section), and every malformed head refused by name."""
+(its tap and the ``mtp.h_last`` section), every malformed head refused by name; the shared MTP drafter
+(``tandem_drafters.mtp``) over the engine's head, its drafts through a round against the reference, and
+speculative decoding with it equal to plain decoding."""
 
 from __future__ import annotations
 
@@ -17,6 +19,13 @@ from conftest_flashnext import (  # noqa: F401  (fixtures)
 from mtp_reference import target_streams
 
 from tandem_core.checkpoint.audit import AuditError
+from tandem_core.drafter import TargetInfo, build_drafter
+from tandem_core.engine import supports_mtp
+from tandem_core.spec.cut import StairCut
+from tandem_core.spec.loop import Decode, DecodeRequest
+from tandem_core.spec.sampler import SamplingParams
+from tandem_core.spec.speculate import SpecDecode, Speculation
+from tandem_core.testing.trees import flat_prices
 from tandem_flashnext.config import read_config
 from tandem_flashnext.mtp import MTPHead, load_mtp
 from tandem_flashnext.weights import load_weights, open_checkpoint
@@ -158,3 +167,77 @@ def test_a_head_the_config_counts_otherwise_is_refused(mtp_copy):
     raw["mtp_num_hidden_layers"] = 2
     with pytest.raises(AuditError, match="the MTP head has 1 decoder layers .* mtp_num_hidden_layers is 2"):
         open_checkpoint(mtp_copy, read_config(raw))
+
+
+# -- the shared MTP drafter over the engine's head ---------------------------------------------------------
+def reference_drafts(ref, next_tokens: torch.Tensor, streams: torch.Tensor, depth: int):
+    """The reference over the whole sequence, fed its own top token and streams one depth at a time."""
+    toks, rows, out = next_tokens.clone(), streams.clone(), []
+    for _ in range(depth):
+        _, carry, logits = ref(toks, rows)
+        top = torch.softmax(logits[-1], dim=-1).topk(2)
+        out.append((top.indices, top.values))
+        toks, rows = torch.cat([toks, top.indices[:1]]), torch.cat([rows, carry[-1:]])
+    return out
+
+
+def test_the_drafters_drafts_equal_the_reference_through_a_round(flashnext_ckpts):
+    """After the prefill, after a committed tree path of four tokens and after a plain decode step, the shared
+    drafter's drafts (the engine's head, fed the last layer's streams its verify and forwards tapped) equal
+    the reference run over the whole sequence on transformers' target streams."""
+    model, ref = flashnext_ckpts.text.model, flashnext_ckpts.head
+    eng = load_engine(flashnext_ckpts.mtp.path)
+    assert supports_mtp(eng) and eng.caps.mtp == 1
+    drafter = build_drafter("mtp", TargetInfo.of(eng.caps, tokenizer=None, vocab_size=320, engine=eng),
+                            depth=3, branch_below=1.0)
+    p = prompt(24, seed=17).tolist()
+    greedy = model.generate(torch.tensor([p]), max_new_tokens=7, do_sample=False)[0, 24:].tolist()
+
+    def check(seq: list[int], pending: int) -> None:
+        proposal = drafter.propose([*seq, pending], 16)
+        want = reference_drafts(ref, torch.tensor([*seq[1:], pending]),
+                                target_streams(model, torch.tensor(seq)), 3)
+        draft = drafter.read()
+        for k, (ids, probs) in enumerate(want):
+            assert draft.tokens[k].tolist() == ids.tolist(), f"depth {k}"
+            assert torch.allclose(draft.probs[k], probs, atol=1e-5), f"depth {k}"
+        assert proposal.parents == (-1, -1, 0, 0, 2, 2)
+
+    eng.forward(torch.tensor(p))
+    drafter.begin(p)
+    check(p, greedy[0])
+    eng.forward_tree(torch.tensor([greedy[0], greedy[1], 11, greedy[2], greedy[3]]),
+                     torch.tensor([-1, 0, 0, 1, 3]))
+    eng.commit_tree([0, 1, 3, 4])
+    eng.settle()
+    drafter.accepted(greedy[:4])
+    check([*p, *greedy[:4]], greedy[4])
+    eng.forward(torch.tensor([greedy[4]]))
+    drafter.accepted([greedy[4]])
+    check([*p, *greedy[:5]], greedy[5])
+
+
+class IdDetok:
+    def push(self, t: int) -> str:
+        return f"<{t}>"
+
+    def flush(self) -> str:
+        return ""
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_speculative_decoding_with_mtp_equals_plain(flashnext_ckpts, params):
+    spec_engine, plain_engine = load_engine(flashnext_ckpts.mtp.path), load_engine(flashnext_ckpts.mtp.path)
+    target = TargetInfo.of(spec_engine.caps, tokenizer=None, vocab_size=320, engine=spec_engine)
+    spec = Speculation([build_drafter("mtp", target)], StairCut(flat_prices(), max_tree=8), 8)
+    rounds = drafted = 0
+    for seed in range(3):
+        req = DecodeRequest(prompt(10 + 4 * seed, seed=seed).tolist(), 16, params)
+        want = [t for c in Decode(plain_engine, req, IdDetok()).run() for t in c.tokens]
+        dec = SpecDecode(spec_engine, req, IdDetok(), speculation=spec)
+        assert [t for c in dec.run() for t in c.tokens] == want, f"prompt {seed}"
+        for name, sec in spec_engine.state.sections.items():
+            assert torch.equal(sec, plain_engine.state.sections[name]), name
+        rounds, drafted = rounds + dec.stats.rounds, drafted + dec.stats.drafted
+    assert drafted >= rounds, f"{drafted} nodes drafted in {rounds} rounds: the head proposed nothing"

@@ -86,7 +86,7 @@ def test_the_loader_serves_the_checkpoint(served, flashnext_ckpts):
     info = served.info
     assert info["architecture"] == "Qwen4ExpForConditionalGeneration" and info["plugin"] == "tandem-flashnext"
     assert info["layers"] == {"gated_deltanet": 3, "indexed_attention": 2, "ple": 2}
-    assert info["skipped"] == {"model.visual.": 21} and info["mtp_head"] == {"layers": 0, "served": False}
+    assert info["skipped"] == {"model.visual.": 21} and info["mtp_head"] == {"layers": 0, "served": False, "parameters": 0}
     assert served.tool_format == "qwen_xml" and served.reasoning and served.think_in_prompt
     ids = prompt(30)
     with torch.no_grad():

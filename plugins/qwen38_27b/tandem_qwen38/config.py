@@ -34,12 +34,12 @@ TEXT_POLICY = FieldPolicy(
         "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
         "linear_num_key_heads", "linear_num_value_heads", "rope_parameters", "rope_theta",
         "partial_rotary_factor", "tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id",
+        # the multi-token-prediction head's decoder layers (the mtp.* tensors; tandem_qwen38.mtp)
+        "mtp_num_hidden_layers",
     ),
     ignored=(
         "architectures", "transformers_version", "dtype", "torch_dtype", "initializer_range", "use_cache",
         "attention_dropout",
-        # the multi-token-prediction head (mtp.* tensors) is a drafter's, not the target's
-        "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings",
     ),
     fixed={
         "model_type": "qwen3_5_text",
@@ -48,6 +48,7 @@ TEXT_POLICY = FieldPolicy(
         "attn_output_gate": True,            # q_proj carries a per-head sigmoid gate for the output
         "output_gate_type": ("swish", "silu"),  # the Gated DeltaNet norm's gate: silu(z)
         "mamba_ssm_dtype": "float32",        # the recurrent state is held in fp32
+        "mtp_use_dedicated_embeddings": False,  # the MTP head reads the target's embedding
     },
 )
 
@@ -94,6 +95,7 @@ class Qwen38Config:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    mtp_num_hidden_layers: int | None = None   # as the config says (None: not said; the mtp.* keys decide)
 
     # -- derived sizes ------------------------------------------------------------------
     @property
@@ -219,4 +221,6 @@ def read_config(raw: Mapping[str, Any]) -> Qwen38Config:
         eos_token_ids=_ids(text.get("eos_token_id"), "eos_token_id", where),
         bos_token_id=(_ids(text.get("bos_token_id"), "bos_token_id", where) or (None,))[0],
         pad_token_id=(_ids(text.get("pad_token_id"), "pad_token_id", where) or (None,))[0],
+        mtp_num_hidden_layers=None if text.get("mtp_num_hidden_layers") is None else
+        _int(text, "mtp_num_hidden_layers", where, minimum=0),
     )

@@ -9,6 +9,10 @@ tensor, ``ctx.progress`` per tensor), ``engine`` (buffers for ``max_context``),
 weight objects with its own buffers. Options read: ``prefill_chunk`` (default the
 ``QWEN38_PREFILL_CHUNK`` setting; 0 there: ``prefill_chunk_for`` the device) and ``max_tree`` (the widest
 verify, default 64).
+
+A checkpoint's MTP head (``mtp.*``, ``tandem_qwen38.mtp``) is audited with the rest, loaded beside the
+target and offered through the engine (``caps.mtp``, ``mtp_head()``), each engine with the head's own KV
+rows; ``--spec mtp`` drafts with it (``tandem_drafters.mtp``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from tandem_core.tokenizer import HFTokenizer, load_chat_template
 
 from tandem_qwen38.config import Qwen38Config, read_config
 from tandem_qwen38.model import Qwen38Runner
+from tandem_qwen38.mtp import MTPHead, MTPWeights, load_mtp
 from tandem_qwen38.weights import Qwen38Weights, load_weights, normalise_dtype, open_checkpoint
 
 __all__ = ["serve", "ServeError", "think_in_prompt", "build_engine", "make_runner", "prefill_chunk_for",
@@ -57,10 +62,12 @@ def make_runner(cfg: Qwen38Config, weights: Qwen38Weights, *, max_context: int, 
 
 
 def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int, prefill_chunk: int,
-                 max_tree: int = 64, gdn_chunk: int = 64) -> SequenceEngine:
-    """The core's sequence engine over the runner for the weights' device (``make_runner``)."""
+                 max_tree: int = 64, gdn_chunk: int = 64, mtp: MTPWeights | None = None) -> SequenceEngine:
+    """The core's sequence engine over the runner for the weights' device (``make_runner``); with ``mtp`` (the
+    checkpoint's head) it offers the head, with KV rows of its own for ``max_context`` positions."""
+    head = None if mtp is None else MTPHead(cfg, weights, mtp, max_context=max_context)
     return SequenceEngine(make_runner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
-                                      gdn_chunk=gdn_chunk, max_tree=max_tree), name="qwen3_5")
+                                      gdn_chunk=gdn_chunk, max_tree=max_tree), name="qwen3_5", head=head)
 
 
 def prefill_chunk_for(requested: int, device: Any) -> int:
@@ -79,13 +86,14 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     ckpt = open_checkpoint(d, cfg)
     ctx.mark("audit")
     weights = load_weights(ckpt, cfg, dtype, args.device, progress=ctx.progress)
+    mtp = load_mtp(ckpt, cfg, dtype, args.device)
     ctx.mark("weights")
 
     max_context = hfdir.context_for(args.max_context, cfg.max_position_embeddings, ctx)
     prefill_chunk = prefill_chunk_for(int(args.options.get("prefill_chunk", SETTINGS.get("QWEN38_PREFILL_CHUNK"))),
                                       weights.device)
     max_tree = int(args.options.get("max_tree", 64))
-    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree, mtp=mtp)
     ctx.mark("engine")
 
     tokenizer = HFTokenizer.from_dir(d)
@@ -105,6 +113,8 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
         "device": str(weights.device),
         "parameters": weights.parameter_count(),
         "layers": {"gated_deltanet": len(cfg.linear_layers), "attention": len(cfg.attention_layers)},
+        "mtp_head": {"layers": ckpt.mtp_layers, "served": mtp is not None,
+                     "parameters": 0 if mtp is None else mtp.parameter_count()},
         "max_context": max_context,
         "prefill_chunk": prefill_chunk,
         "tied_head": weights.tied,
@@ -117,7 +127,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
             f"{sum(ckpt.skipped.values())} tensors skipped ({', '.join(sorted(ckpt.skipped)) or 'none'})")
 
     def spawn() -> SequenceEngine:
-        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree, mtp=mtp)
 
     return Served(
         model_id=args.model_id,

@@ -2,9 +2,15 @@
 
 - ``LAYOUT`` names every checkpoint key by its canonical name
   (``embed_tokens.weight``, ``lm_head.weight``, ``norm.weight``,
-  ``layers.N.<module>.<proj>.weight``), skipping (and counting) the vision tower
-  and the ``mtp.*`` head.
-- ``expected_tensors(cfg)`` is what the config says must be there, with shapes.
+  ``layers.N.<module>.<proj>.weight``), skipping (and counting) the vision tower.
+  The MTP head's keys (``mtp.*``) keep their own names: the target's layout leaves
+  them to the head (``tandem_qwen38.mtp``), and the audit checks them too.
+- ``expected_tensors(cfg)`` is what the config says must be there, with shapes;
+  ``expected_mtp_tensors(cfg, layers)`` the same for an MTP head of ``layers``
+  decoder layers (vLLM's Qwen3.5 MTP: ``mtp.fc`` [H, 2H] over the normed embedding
+  and hidden state side by side, ``mtp.pre_fc_norm_embedding``,
+  ``mtp.pre_fc_norm_hidden``, ``mtp.layers.J.*`` full-attention decoder layers of
+  the target's own shape, ``mtp.norm``; the embedding and head are the target's).
 - ``open_checkpoint(dir, cfg)`` reads the headers, resolves the layout and runs
   the audit before any tensor is read: a missing tensor, a truncated shard, a
   wrong sha256 (``SHA256SUMS``), a wrong shape, or a tensor the model does not
@@ -24,25 +30,30 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from tandem_core.checkpoint.audit import Expect
+import re
+
+from tandem_core.checkpoint.audit import AuditError, Expect
 from tandem_core.checkpoint.layout import Layout
 from tandem_core.checkpoint.opened import WEIGHT_DTYPES, Checkpoint, weights_identity
 from tandem_core.checkpoint.opened import normalise_dtype as _normalise_dtype
 from tandem_core.checkpoint.opened import open_checkpoint as _open
+from tandem_core.checkpoint.safetensors import SafetensorsCheckpoint
 from tandem_core.linear import Linear, make_linear
 
 from tandem_qwen38.config import Qwen38Config
 
 __all__ = [
-    "LAYOUT", "DTYPES", "normalise_dtype", "expected_tensors", "Checkpoint", "open_checkpoint",
+    "LAYOUT", "MTP_PREFIX", "DTYPES", "normalise_dtype", "expected_tensors", "expected_mtp_tensors",
+    "mtp_layer_count", "Checkpoint", "Qwen38Checkpoint", "open_checkpoint",
     "weights_identity",
     "GDNWeights", "AttentionWeights", "MLPWeights", "LayerWeights", "Qwen38Weights", "build_weights",
     "load_weights",
 ]
 
+MTP_PREFIX = "mtp."
 LAYOUT = Layout(
     prefixes=("model.language_model.", "language_model.model.", "language_model.", "model."),
-    skip=("model.visual.", "visual.", "mtp."),
+    skip=("model.visual.", "visual."),          # mtp.* keys keep their own names (the head's)
     head_names=("lm_head.weight", "language_model.lm_head.weight"),
 )
 
@@ -104,11 +115,54 @@ def expected_tensors(cfg: Qwen38Config) -> dict[str, Expect]:
     return {k: Expect(s) for k, s in out.items()}
 
 
+_MTP_LAYER = re.compile(re.escape(MTP_PREFIX) + r"layers\.(\d+)\.")
+
+
+def mtp_layer_count(keys: Iterable[str]) -> int:
+    """The MTP head's decoder layers, by its keys (``mtp.layers.J.*``: ``max J + 1``; 0 without a head)."""
+    found = [int(m.group(1)) for k in keys if (m := _MTP_LAYER.match(k))]
+    return max(found) + 1 if found else 0
+
+
+def expected_mtp_tensors(cfg: Qwen38Config, layers: int) -> dict[str, Expect]:
+    """Key -> expected shape, for every tensor of an MTP head of ``layers`` full-attention decoder layers."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    out: dict[str, tuple[int, ...]] = {
+        "pre_fc_norm_embedding.weight": (H,), "pre_fc_norm_hidden.weight": (H,),
+        "fc.weight": (H, 2 * H), "norm.weight": (H,),
+    }
+    for j in range(layers):
+        p = f"layers.{j}."
+        out[p + "input_layernorm.weight"] = (H,)
+        out[p + "post_attention_layernorm.weight"] = (H,)
+        out.update({p + "self_attn." + k: s for k, s in _attention_tensors(cfg).items()})
+        out[p + "mlp.gate_proj.weight"] = (I, H)
+        out[p + "mlp.up_proj.weight"] = (I, H)
+        out[p + "mlp.down_proj.weight"] = (H, I)
+    return {MTP_PREFIX + k: Expect(s) for k, s in out.items()}
+
+
 # -- opening and auditing ---------------------------------------------------------------------------
-def open_checkpoint(directory: str | Path, cfg: Qwen38Config) -> Checkpoint:
-    """Read the headers, resolve the layout, audit (``tandem_core.checkpoint.opened``). Nothing is loaded; a
-    failure names its tensor or file."""
-    return _open(directory, LAYOUT, expected_tensors(cfg), tied=cfg.tie_word_embeddings, family="qwen3_5")
+@dataclass(frozen=True)
+class Qwen38Checkpoint(Checkpoint):
+    """An audited checkpoint, with its MTP head's decoder layers (0: it ships none)."""
+
+    mtp_layers: int = 0
+
+
+def open_checkpoint(directory: str | Path, cfg: Qwen38Config) -> Qwen38Checkpoint:
+    """Read the headers, resolve the layout, audit (``tandem_core.checkpoint.opened``): the MTP head's tensors
+    with the rest when there are any (each ``mtp.*`` key one the head reads, at the shape the config gives
+    it; any other refused by name). Nothing is loaded; a failure names its tensor or file."""
+    keys = SafetensorsCheckpoint(directory).keys()
+    layers = mtp_layer_count(keys)
+    has_head = any(k.startswith(MTP_PREFIX) for k in keys)
+    if has_head and cfg.mtp_num_hidden_layers is not None and layers != cfg.mtp_num_hidden_layers:
+        raise AuditError(f"checkpoint {Path(directory)}: the MTP head has {layers} decoder layers "
+                         f"(mtp.layers.*), the config's mtp_num_hidden_layers is {cfg.mtp_num_hidden_layers}")
+    expected = {**expected_tensors(cfg), **(expected_mtp_tensors(cfg, layers) if has_head else {})}
+    ckpt = _open(directory, LAYOUT, expected, tied=cfg.tie_word_embeddings, family="qwen3_5")
+    return Qwen38Checkpoint(ckpt.reader, ckpt.layout, ckpt.expected, ckpt.identity, layers if has_head else 0)
 
 
 # -- the loaded weights ------------------------------------------------------------------------------

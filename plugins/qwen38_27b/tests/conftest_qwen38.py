@@ -5,7 +5,10 @@
 - ``text``:   ``Qwen3_5ForCausalLM`` (model_type ``qwen3_5_text``), untied head;
 - ``vl``:     ``Qwen3_5ForConditionalGeneration`` (``qwen3_5``) with a tiny vision tower,
               the same text weights;
-- ``tied``:   ``Qwen3_5ForCausalLM`` with ``tie_word_embeddings=True``.
+- ``tied``:   ``Qwen3_5ForCausalLM`` with ``tie_word_embeddings=True``;
+- ``mtp``:    the ``text`` checkpoint with an MTP head in the published ``mtp.*`` layout, written as a
+              shard of its own with an index (``tests/mtp_reference_qwen38.py``; its reference forward is
+              ``head``).
 
 Every float parameter is re-randomised from a fixed seed before ``save_pretrained``
 (norm weights, A_log, dt_bias, conv taps, everything), so no initialisation
@@ -18,6 +21,7 @@ Import the fixture into a test module: ``from conftest_qwen38 import qwen38_ckpt
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +112,8 @@ class TinyCheckpoints:
     text: TinyCheckpoint
     vl: TinyCheckpoint
     tied: TinyCheckpoint
+    mtp: TinyCheckpoint
+    head: Any            # the MTP head's reference (tests/mtp_reference_qwen38.RefMTP) written into ``mtp``
 
 
 def build_text(path: Path, seed: int = SEED, **overrides: Any) -> TinyCheckpoint:
@@ -152,19 +158,28 @@ def qwen38_ckpts(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
     text = build_text(root / "text")
     vl = build_vl(root / "vl", text.model)
     tied = build_text(root / "tied", seed=SEED + 7, tie_word_embeddings=True)
-    return TinyCheckpoints(text, vl, tied)
+    from mtp_reference_qwen38 import add_mtp_shard, reference_head
+
+    shutil.copytree(text.path, root / "mtp")
+    head = reference_head(text.model, SEED + 11)
+    add_mtp_shard(root / "mtp", head.checkpoint_tensors())
+    mtp = TinyCheckpoint(root / "mtp", text.model, text.raw_config)
+    return TinyCheckpoints(text, vl, tied, mtp, head)
 
 
-def load_engine(path: Path, *, dtype: str = "fp32", max_context: int = 256, prefill_chunk: int = 512):
-    """Config -> audit -> weights -> engine, the way ``serve`` does it (no tokenizer)."""
+def load_engine(path: Path, *, dtype: str = "fp32", max_context: int = 256, prefill_chunk: int = 512,
+                max_tree: int = 64):
+    """Config -> audit -> weights -> engine, the way ``serve`` does it (no tokenizer); with the checkpoint's
+    MTP head when it ships one."""
     from tandem_qwen38.config import read_config
+    from tandem_qwen38.mtp import load_mtp
     from tandem_qwen38.serving import build_engine
     from tandem_qwen38.weights import load_weights, open_checkpoint
 
     cfg = read_config(json.loads((path / "config.json").read_text()))
     ckpt = open_checkpoint(path, cfg)
     weights = load_weights(ckpt, cfg, dtype)
-    return build_engine(cfg, weights, max_context, prefill_chunk)
+    return build_engine(cfg, weights, max_context, prefill_chunk, max_tree, mtp=load_mtp(ckpt, cfg, dtype))
 
 
 def prompt(n: int, vocab: int, seed: int = 5) -> torch.Tensor:

@@ -80,3 +80,15 @@ def test_heads_that_do_not_group_are_named():
     raw["text_config"]["linear_num_key_heads"] = 16
     with pytest.raises(ConfigError, match="linear_num_value_heads"):
         read_config(raw)
+
+
+def test_the_mtp_heads_fields_are_read_and_a_dedicated_embedding_refused():
+    assert read_config(QWEN35_27B).mtp_num_hidden_layers == 1
+    raw = copy.deepcopy(QWEN35_27B)
+    raw["text_config"]["mtp_use_dedicated_embeddings"] = True
+    with pytest.raises(ConfigError, match="'mtp_use_dedicated_embeddings' = True is fixed at False"):
+        read_config(raw)
+    raw = copy.deepcopy(QWEN35_27B)
+    raw["text_config"]["mtp_num_hidden_layers"] = -1
+    with pytest.raises(ConfigError, match="'mtp_num_hidden_layers' = -1 is not a non-negative integer"):
+        read_config(raw)
