@@ -304,6 +304,9 @@ def test_health_and_metrics(server, client):
     assert any(ln.startswith("tandem_ttft_seconds_count ") and int(ln.split()[-1]) >= 1 for ln in lines)
     assert "tandem_queue_waiting 0" in lines and "tandem_engines_busy 0" in lines
     assert any(ln.startswith("tandem_completion_tokens_total ") for ln in lines)
+    host = {k: int(ln.split()[-1]) for ln in lines for k in ("anon", "file", "peak")
+            if ln.startswith(f'tandem_host_memory_bytes{{kind="{k}"}} ')}
+    assert set(host) == {"anon", "file", "peak"} and host["peak"] >= host["anon"] > 10 * 2**20
 
 
 def test_log_lines_and_ledger_hold_no_text(server, client):

@@ -400,12 +400,21 @@ def spec_cost_stage(srv_on: Server, srv_off: Server, R: Results, vocab: int, ctx
     log(f"speculation on {rates['on']:.1f} / off {rates['off']:.1f} tok/s")
 
 
-def memory_stage(srv: Server, R: Results) -> None:
+def memory_stage(srv: Server, R: Results, key: str = "memory") -> None:
     h = srv.health()
     parts = {m["name"]: m["bytes"] for m in h["memory"]}
-    R.put("memory", {"device_bytes_nvidia_smi": srv.device_bytes(), "engine_parts": parts,
+    R.put(key, {"device_bytes_nvidia_smi": srv.device_bytes(), "engine_parts": parts,
                      "engine_parts_total": sum(parts.values()), "host_peak_rss": srv.peak_rss(),
-                     "gate": h.get("caches", {}).get("gate"), "engine": h.get("engine")})
+                     "gate": h.get("caches", {}).get("gate"), "engine": h.get("engine"),
+                     "host": host_kinds(srv)})
+
+
+def host_kinds(srv: Server) -> dict[str, int]:
+    """The server's ``tandem_host_memory_bytes`` (anon, file, peak) from its /metrics."""
+    import httpx
+
+    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r'^tandem_host_memory_bytes\{kind="(\w+)"\} (\d+)', text, re.M)}
 
 
 # -- the peer ------------------------------------------------------------------------------------------------
@@ -485,8 +494,8 @@ def report(D: dict[str, Any]) -> str:
     m = D.get("memory", {})
     if m:
         lines.append(f"| host peak RSS (load and serve) | {m['host_peak_rss'] / 2**30:.2f} GiB |")
-        if data.get('host_peak_at_ready'):
-            lines.append(f"| host peak RSS when the server is ready (the load) | {data['host_peak_at_ready'] / 2**30:.2f} GiB |")
+        if D.get('host_peak_at_ready'):
+            lines.append(f"| host peak RSS when the server is ready (the load) | {D['host_peak_at_ready'] / 2**30:.2f} GiB |")
         lines.append(f"| device memory: nvidia-smi / the engine's parts | {m['device_bytes_nvidia_smi'] / 2**30:.2f} / "
                      f"{m['engine_parts_total'] / 2**30:.2f} GiB |")
     d = D.get("decode")
@@ -555,7 +564,7 @@ def main() -> int:
                                                               if x and int(x) < a.max_context])),
                   ("session", lambda: session_stage(srv, R, vocab)),
                   ("side_on", lambda: side_stage(srv, R, vocab, "side_on")),
-                  ("memory_after", lambda: memory_stage(srv, R))]
+                  ("memory_after", lambda: memory_stage(srv, R, "memory_after"))]
         for name, fn in stages:
             with R.stage(name, skip) as st:
                 if st.run:

@@ -42,6 +42,21 @@ class ParallelUnavailable(ValueError):
     """``--parallel N`` asked for more engines than the model can build (its ``spawn`` is None)."""
 
 
+def host_memory_kinds() -> dict[str, int]:
+    """``anon``, ``file`` and ``peak`` resident bytes of this process (``/proc/self/status``; empty elsewhere)."""
+    want = {"RssAnon:": "anon", "RssFile:": "file", "VmHWM:": "peak"}
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(maxsplit=1)[0] if line.strip() else ""
+                if key in want:
+                    out[want[key]] = int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    return out
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     parallel: int = 1
@@ -129,6 +144,10 @@ class ServerState:
         lines += ["# HELP tandem_engine_graph_widths Verify widths captured as CUDA graphs (none: eager).",
                   "# TYPE tandem_engine_graph_widths gauge"]
         lines += [f'tandem_engine_graph_widths{{width="{w}"}} 1' for w in caps.graph_widths]
+        lines += ["# HELP tandem_host_memory_bytes This process's host memory: resident anonymous pages, resident "
+                  "file-backed pages (mapped libraries and files), and the resident high-water mark.",
+                  "# TYPE tandem_host_memory_bytes gauge"]
+        lines += [f'tandem_host_memory_bytes{{kind="{k}"}} {v}' for k, v in host_memory_kinds().items()]
         return lines
 
     def _gauges(self) -> dict[str, float]:
