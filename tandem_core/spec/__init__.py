@@ -1,3 +1,3 @@
-"""Decoding: the sampler and the plain decode loop (speculation replaces the loop's forward step later)."""
+"""Decoding: the sampler, the plain decode loop and lossless speculation (drafters' trees, StairCut, the walk)."""
 
 __all__: list[str] = []

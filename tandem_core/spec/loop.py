@@ -1,8 +1,8 @@
 """The plain decode loop: prefill, then one token a step, until a stop.
 
-Read ``Decode.step`` first: forward, sample, commit, emit. The speculation issue
-replaces ``forward`` + ``sample`` (one token) by propose, verify, walk (several
-tokens); ``commit`` and ``emit`` already take a list of tokens.
+Read ``Decode.step`` first: forward, sample, commit, emit. Speculation
+(``spec.speculate``) replaces ``forward`` + ``sample`` (one token) by propose,
+verify, walk (several tokens); ``commit`` and ``emit`` take a list of tokens.
 
 The loop owns no engine buffers: ``engine.reset()`` + ``engine.forward(prompt)``
 (``prefill``, one place, so a prefix cache can replace it) leave the engine
