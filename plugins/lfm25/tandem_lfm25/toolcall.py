@@ -37,7 +37,8 @@ import json
 import secrets
 from typing import Any, Callable, Mapping, Sequence
 
-from tandem_core.server.parsing.events import Content, Event, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd
+from tandem_core.server.parsing.events import (Content, Event, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd,
+                                              push)
 
 from tandem_lfm25.pyliteral import QUOTES, LiteralError, StringDecoder, literal
 
@@ -174,7 +175,7 @@ class Lfm2CallParser:
         out: list[Event] = []
         self._run(out, final=True)
         if self._ws:
-            self._push(out, Content(self._ws))
+            push(out, Content(self._ws))
             self._ws = ""
         self._done = True
         return out
@@ -198,15 +199,6 @@ class Lfm2CallParser:
         self._state = state
         return True
 
-    def _push(self, out: list[Event], ev: Event) -> None:
-        last = out[-1] if out else None
-        if isinstance(ev, Content) and isinstance(last, Content):
-            out[-1] = Content(last.text + ev.text)
-        elif isinstance(ev, ToolCallArgs) and isinstance(last, ToolCallArgs) and last.index == ev.index:
-            out[-1] = ToolCallArgs(ev.index, last.delta + ev.delta)
-        else:
-            out.append(ev)
-
     def _text(self, out: list[Event], text: str) -> None:
         """Content, its whitespace after the output's start or a marker dropped and its trailing whitespace
         held (a marker may follow)."""
@@ -217,7 +209,7 @@ class Lfm2CallParser:
             self._lead = False
         body = text.rstrip()
         if body:
-            self._push(out, Content(self._ws + body))
+            push(out, Content(self._ws + body))
             self._ws = text[len(body):]
         else:
             self._ws += text
@@ -283,7 +275,7 @@ class Lfm2CallParser:
             return self._malformed(out, "unknown function name")
         self._take(j + 1)
         self._index, self._calls, self._begun, self._name = self._calls, self._calls + 1, True, name
-        self._push(out, ToolCallBegin(self._index, f"call_{self._prefix}_{self._index}", name))
+        push(out, ToolCallBegin(self._index, f"call_{self._prefix}_{self._index}", name))
         self._keys = set()
         self._args = []
         self._arg_delta(out, "{")
@@ -430,7 +422,7 @@ class Lfm2CallParser:
     def _end_call(self, out: list[Event]) -> bool:
         self._block_calls += 1
         self._arg_delta(out, "}")
-        self._push(out, ToolCallEnd(self._index, "".join(self._args)))
+        push(out, ToolCallEnd(self._index, "".join(self._args)))
         self._begun = False
         self._raw = []
         return self._goto(_AFTER_CALL)
@@ -478,7 +470,7 @@ class Lfm2CallParser:
 
     def _arg_delta(self, out: list[Event], delta: str) -> None:
         self._args.append(delta)
-        self._push(out, ToolCallArgs(self._index, delta))
+        push(out, ToolCallArgs(self._index, delta))
 
     def _stuck(self, out: list[Event], final: bool, unexpected: str) -> bool:
         """No expected text here: wait for more (it may be the end marker's start), or the call is not closed
@@ -489,7 +481,7 @@ class Lfm2CallParser:
         return self._malformed(out, "tool call not closed" if closed else unexpected)
 
     def _malformed(self, out: list[Event], reason: str) -> bool:
-        self._push(out, Malformed(reason))
+        push(out, Malformed(reason))
         raw = "".join(self._raw)
         self._raw = []
         self._begun = False
@@ -500,4 +492,4 @@ class Lfm2CallParser:
     def _raw_content(self, out: list[Event], text: str) -> None:
         if text and self._keep_malformed:
             self._lead = False
-            self._push(out, Content(text))
+            push(out, Content(text))
