@@ -407,6 +407,29 @@ class Trainer:
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     p.mul_(1.0 / math.sqrt(2 * self.cfg.num_layers))
 
+    def calibrate(self, engine: Any, samples: Sequence[dict[str, Any]]) -> float:
+        """Start the drafter's final norm at the target's own output scale: per dimension, the root mean square of
+        the target's rows after its final norm (``hidden_post_norm``) over a few samples. The head then reads
+        rows of the size it was trained on; a norm started at 1 against a head fed by a much smaller final norm
+        would spend thousands of steps shrinking. Returns the mean scale."""
+        acc = None
+        n = 0
+        with torch.inference_mode():
+            for s in samples[:4]:
+                engine.reset()
+                engine.forward([int(t) for t in s["tokens"]])
+                rows = engine.hidden_post_norm().float()
+                sq = rows.pow(2).sum(0).cpu()
+                acc = sq if acc is None else acc + sq
+                n += rows.shape[0]
+            engine.reset()
+        if acc is None or n == 0:
+            return 1.0
+        scale = (acc / n).sqrt().clamp(min=1e-3)
+        with torch.no_grad():
+            self.model.norm.weight.copy_(scale.to(self.model.norm.weight.device))
+        return round(float(scale.mean()), 4)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             x = self.parts.embed(ids.to(self.parts.device)).clone()
@@ -509,6 +532,7 @@ def train(o: TrainOptions, cfg: BlockConfig | None, log: Any = None, served: Any
         raise ValueError("train: no drafter config (none given and no checkpoint to resume)")
     tr = Trainer(served, cfg, o)
     resumed = tr.resume()
+    scale = None if resumed else tr.calibrate(served.engine, train_set)
     rng = random.Random(o.seed * 7919 + tr.step)
     t_start = time.monotonic()
     elapsed_before = tr.elapsed
@@ -517,7 +541,7 @@ def train(o: TrainOptions, cfg: BlockConfig | None, log: Any = None, served: Any
     base = {"samples": len(samples), "train_samples": len(train_set), "held_samples": len(held),
             "train_tokens": tokens}
     if log is not None:
-        log({"stage": "train-start", "step": tr.step, "resumed": resumed, **base})
+        log({"stage": "train-start", "step": tr.step, "resumed": resumed, "norm_scale": scale, **base})
     bar = _bar(max(0, o.steps - tr.step), "train", o.bar and sys.stderr.isatty())
     rec: dict[str, Any] = {}
     stop = False
