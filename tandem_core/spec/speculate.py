@@ -151,7 +151,8 @@ class SpecDecode(Decode):
     def _hand_rows(self, sequence: Sequence[int], index: torch.Tensor | None = None, first: int = 0) -> None:
         """The last forward's tapped rows to the drafters: the forward's rows ending at ``kv.length`` (or, after a
         verify, the rows ``index`` of its nodes, at positions from ``first``: pending and the accepted path)."""
-        rows = {i: self.engine.hidden_at(i) for i in self._tapped}
+        eng: Any = self.engine             # a tapping engine (SequenceEngine's hidden_at)
+        rows = {i: eng.hidden_at(i) for i in self._tapped}
         if index is not None:
             rows = {i: r.index_select(0, index.to(r.device)) for i, r in rows.items()}
         else:

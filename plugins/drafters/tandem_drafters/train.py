@@ -327,7 +327,7 @@ def is_held_out(i: int, frac: float) -> bool:
 
 
 def drafter_shape(hidden: int, layers: int = 2, heads: int = 0, kv_heads: int = 0,
-                  intermediate: int = 0) -> dict[str, int]:
+                  intermediate: int = 0) -> dict[str, Any]:
     """A drafter's shape for a target of width ``hidden`` (heads of 64 where it divides, kv heads a third or a
     half of them, the MLP 16/9 of the width)."""
     if not heads:
@@ -343,7 +343,7 @@ def drafter_shape(hidden: int, layers: int = 2, heads: int = 0, kv_heads: int = 
 
 
 def new_config(served: Any, model_id: str, layers: tuple[int, ...], block_size: int, mask_token: int | None,
-               shape: dict[str, int]) -> BlockConfig:
+               shape: dict[str, Any]) -> BlockConfig:
     caps = served.engine.caps
     H = int(caps.hidden_size)
     V = int(served.tokenizer.vocab_size)
