@@ -395,6 +395,7 @@ class Trainer:
         self.pos_w = (w / w.mean()).to(self.device)
         self.step = 0
         self.elapsed = 0.0
+        self.best = math.inf       # the best held-out loss: OUT/drafter holds the weights that reached it
 
     def _init_weights(self) -> None:
         g = torch.Generator().manual_seed(self.o.seed)
@@ -485,13 +486,18 @@ class Trainer:
                 "held_blocks": int(t.numel())}
 
     # -- checkpoints --------------------------------------------------------------------------------------
-    def save(self, extra: dict[str, Any]) -> None:
+    def save_state(self) -> None:
+        """The training state (weights, optimizer, step, time, best held-out loss): what a resume starts from."""
         ck = self.o.out / "ckpt"
         ck.mkdir(parents=True, exist_ok=True)
         state = {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                 "elapsed": self.elapsed, "config": self.cfg.to_json(), "rng": torch.get_rng_state()}
+                 "elapsed": self.elapsed, "best": self.best, "config": self.cfg.to_json(),
+                 "rng": torch.get_rng_state()}
         torch.save(state, ck / "state.pt.part")
         os.replace(ck / "state.pt.part", ck / "state.pt")
+
+    def save_drafter(self, extra: dict[str, Any]) -> None:
+        """``OUT/drafter``: the weights now, in the published layout, with the training record in the config."""
         cfg = BlockConfig(**{**self.cfg.__dict__, "extra": {**self.cfg.extra, **extra}})
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.o.save_dtype]
         save_checkpoint(self.model, self.o.out / "drafter", dtype=dt, cfg=cfg)
@@ -504,6 +510,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+        self.best = float(state.get("best", math.inf))
         return True
 
 
@@ -569,20 +576,28 @@ def train(o: TrainOptions, cfg: BlockConfig | None, log: Any = None, served: Any
         stop = bool(horizon) and tr.elapsed >= horizon
         last = tr.step >= o.steps or stop
         if tr.step % o.eval_every == 0 or last:
-            rec = {"stage": "eval", "step": tr.step, "loss": round(float(loss.detach()), 4), "lr": round(tr.lr_at(progress), 7),
-                   "seconds": round(tr.elapsed, 1), **tr.evaluate(held or train_set[:8])}
+            rec = {"stage": "eval", "step": tr.step, "loss": round(float(loss.detach()), 4),
+                   "lr": round(tr.lr_at(progress), 7), "seconds": round(tr.elapsed, 1),
+                   **tr.evaluate(held or train_set[:8])}
+            if rec["held_loss"] < tr.best:      # keep the drafter that does best on the held-out samples
+                tr.best = rec["held_loss"]
+                rec["kept"] = True
+                tr.save_drafter({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
+                                 **{k: v for k, v in rec.items() if k.startswith("held_")}})
             if log is not None:
                 log(rec)
         if tr.step % o.checkpoint_every == 0 or last:
-            tr.save({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
-                     **{k: v for k, v in rec.items() if k.startswith("held_")}})
+            tr.save_state()
     bar.close()
-    if tr.step >= o.steps and not rec:   # resumed at the end: one evaluation, one save
+    if not (o.out / "drafter" / "config.json").exists():   # resumed at the end with no drafter written
         rec = {"stage": "eval", "step": tr.step, "seconds": round(tr.elapsed, 1), **tr.evaluate(held or train_set[:8])}
-        tr.save({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
-                 **{k: v for k, v in rec.items() if k.startswith("held_")}})
+        tr.save_drafter({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
+                         **{k: v for k, v in rec.items() if k.startswith("held_")}})
+        tr.save_state()
+    kept = read_config(o.out / "drafter").extra
     end = {"stage": "train-end", "step": tr.step, "seconds": round(tr.elapsed, 1), **base,
-           **{k: v for k, v in rec.items() if k.startswith("held_")}}
+           "drafter_step": kept.get("trained_steps"), "held_loss": kept.get("held_loss"),
+           "held_tau": kept.get("held_tau")}
     if log is not None:
         log(end)
     return end
