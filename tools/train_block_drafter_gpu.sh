@@ -96,7 +96,7 @@ data() {
 train() {
     timeout $(( TRAIN_BUDGET + SLACK )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage train \
         --steps "$STEPS" --train-budget "$TRAIN_BUDGET" --layers 2 --target-layers 4 --block-size 16 \
-        --samples-per-step 16 --anchors 24 --lr 8e-4 --warmup 100 --eval-every 250 --checkpoint-every 500 \
+        --samples-per-step 16 --anchors 24 --lr 8e-4 --warmup 100 --eval-every 200 --checkpoint-every 400 \
         2>&1 | tail -40
 }
 
