@@ -6,7 +6,7 @@
 #   split    (run HERE, not on the device) cut the pulled GGUF into .smol/part-?? of 30 MiB (the device has no
 #            network and a call carries at most 64 MiB); add /.smol/ to .git/info/exclude first
 #   stash    (device) copy the carried .smol/part-?? to /tmp/tandem-block/parts/, which outlives the call while
-#            the machine stays warm (a call per part: carry .smol/part-aa, then .smol/part-ab, ...)
+#            the machine stays warm (two parts a call, see below)
 #   setup    (device) tools/gpu_session.sh setup: the carried wheels (.whl/) and TandemLLM into /tmp/site
 #   model    (device) the GGUF into $TANDEM_HOME/models/smollm2-135m/: `tandem pull` when the hub answers, else the
 #            stashed parts joined; its sha256 checked against the registry's
@@ -18,9 +18,11 @@
 # Every stage resumes: a second call continues the shards and the training from their last checkpoint (the work
 # folder, /tmp/tandem-block/work, stays while the machine is warm). The default budgets fit one 10-minute call:
 #
-#   call 1..n-1: carry [.smol/part-aa] ...           command: tools/train_block_drafter_gpu.sh stash
-#   call n:      carry [.smol/part-ac, .whl]          command: tools/train_block_drafter_gpu.sh stash setup model \
-#                                                              data train bench collect
+#   call 1: carry [.smol/part-aa, .smol/part-ab]        command: tools/train_block_drafter_gpu.sh stash
+#   call 2: carry [.smol/part-ac, .smol/part-ad, .whl]  command: tools/train_block_drafter_gpu.sh stash setup \
+#                                                                model data train bench collect
+#   (30 MiB parts: 2 x 30 MiB + the 2.4 MB tree, then 30 + 4 + 26 MB of wheels + the tree, each under 64 MiB;
+#   call 2 runs about 9 minutes: setup ~40 s, data 170 s + loads, train 170 s + load, bench ~100 s)
 #
 # Shipping the result (here, after the run): copy $OUT/drafter-config.json and $OUT/drafter-model.safetensors to
 # tandem_core/shipped/models/smollm2-135m/drafters/block/config.json and .../model.safetensors, paste
