@@ -495,6 +495,7 @@ class BlockDrafter:
     """
 
     name = "block"
+    costly = True      # its proposal is a forward: the loop pauses it while it misses (DrafterGate)
 
     def __init__(self, target: TargetInfo, path: str | Path | None = None, top_k: int = 4,
                  min_prob: float = 0.01, model: BlockModel | None = None) -> None:
