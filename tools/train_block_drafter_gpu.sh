@@ -6,7 +6,7 @@
 #   split    (run HERE, not on the device) cut the pulled GGUF into .smol/part-?? of 30 MiB (the device has no
 #            network and a call carries at most 64 MiB); add /.smol/ to .git/info/exclude first
 #   stash    (device) copy the carried .smol/part-?? to /tmp/tandem-block/parts/, which outlives the call while
-#            the machine stays warm (a call per part: carry .smol/part-aa, then .smol/part-ab, ...)
+#            the machine stays warm (two parts a call, see below)
 #   setup    (device) tools/gpu_session.sh setup: the carried wheels (.whl/) and TandemLLM into /tmp/site
 #   model    (device) the GGUF into $TANDEM_HOME/models/smollm2-135m/: `tandem pull` when the hub answers, else the
 #            stashed parts joined; its sha256 checked against the registry's
@@ -18,9 +18,11 @@
 # Every stage resumes: a second call continues the shards and the training from their last checkpoint (the work
 # folder, /tmp/tandem-block/work, stays while the machine is warm). The default budgets fit one 10-minute call:
 #
-#   call 1..n-1: carry [.smol/part-aa] ...           command: tools/train_block_drafter_gpu.sh stash
-#   call n:      carry [.smol/part-ac, .whl]          command: tools/train_block_drafter_gpu.sh stash setup model \
-#                                                              data train bench collect
+#   call 1: carry [.smol/part-aa, .smol/part-ab]        command: tools/train_block_drafter_gpu.sh stash
+#   call 2: carry [.smol/part-ac, .smol/part-ad, .whl]  command: tools/train_block_drafter_gpu.sh stash setup \
+#                                                                model data train bench collect
+#   (30 MiB parts: 2 x 30 MiB + the 2.4 MB tree, then 30 + 4 + 26 MB of wheels + the tree, each under 64 MiB;
+#   call 2 runs about 9 minutes: setup ~40 s, data 170 s + loads, train 170 s + load, bench ~100 s)
 #
 # Shipping the result (here, after the run): copy $OUT/drafter-config.json and $OUT/drafter-model.safetensors to
 # tandem_core/shipped/models/smollm2-135m/drafters/block/config.json and .../model.safetensors, paste
@@ -35,6 +37,7 @@ export PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site${PYTHONP
 BASE=${BASE:-/tmp/tandem-block}
 export TANDEM_HOME=${TANDEM_HOME:-$BASE/home}
 WORK=${WORK:-$BASE/work}
+PARTS_SRC=${PARTS_SRC:-.smol}   # where split writes the parts and stash reads them (in the checkout)
 MODEL=smollm2-135m
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 DEVICE=${DEVICE:-cuda}           # cpu: the same flow on the CPU (a smoke test, tiny budgets)
@@ -44,6 +47,9 @@ DATA_BUDGET=${DATA_BUDGET:-170}
 TRAIN_BUDGET=${TRAIN_BUDGET:-170}
 STEPS=${STEPS:-8000}
 BENCH_PROMPTS=${BENCH_PROMPTS:-6}
+MAX_NEW=${MAX_NEW:-256}
+MAX_PROMPT=${MAX_PROMPT:-768}
+SLACK=${SLACK:-120}             # seconds a stage may run past its budget (the model loads, the last sample)
 start=$(date +%s)
 say() { echo "[$(( $(date +%s) - start ))s] $*"; }
 sha_of_registry() { python3 -c "import yaml,sys; print(yaml.safe_load(open('tandem_core/shipped/models/$MODEL/model.yaml'))['source']['sha256'])"; }
@@ -51,14 +57,14 @@ sha_of_registry() { python3 -c "import yaml,sys; print(yaml.safe_load(open('tand
 split() {
     local src=${GGUF:-.tandem-test-cache/models/$MODEL/$GGUF_NAME}
     [ -f "$src" ] || { echo "no $src: run 'TANDEM_HOME=.tandem-test-cache tandem pull $MODEL' first"; exit 2; }
-    mkdir -p .smol && rm -f .smol/part-*
-    command split -b 30M "$src" .smol/part-
-    ls -l .smol
+    mkdir -p "$PARTS_SRC" && rm -f "$PARTS_SRC"/part-*
+    command split -b 30M "$src" "$PARTS_SRC"/part-
+    ls -l "$PARTS_SRC"
 }
 
 stash() {
     mkdir -p "$BASE/parts"
-    cp -v .smol/part-* "$BASE/parts/" 2>/dev/null || echo "no .smol/part-* carried in this call"
+    cp -v "$PARTS_SRC"/part-* "$BASE/parts/" 2>/dev/null || echo "no $PARTS_SRC/part-* carried in this call"
     ls -l "$BASE/parts"
 }
 
@@ -84,20 +90,20 @@ model() {
 }
 
 data() {
-    timeout $(( DATA_BUDGET + 120 )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage data \
-        --samples "$SAMPLES" --max-new 256 --max-prompt 768 --workers "$WORKERS" --data-budget "$DATA_BUDGET" \
+    timeout $(( DATA_BUDGET + SLACK )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage data \
+        --samples "$SAMPLES" --max-new "$MAX_NEW" --max-prompt "$MAX_PROMPT" --workers "$WORKERS" --data-budget "$DATA_BUDGET" \
         2>&1 | grep -v '^\s*$' | tail -20
 }
 
 train() {
-    timeout $(( TRAIN_BUDGET + 120 )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage train \
+    timeout $(( TRAIN_BUDGET + SLACK )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage train \
         --steps "$STEPS" --train-budget "$TRAIN_BUDGET" --layers 2 --target-layers 4 --block-size 16 \
-        --samples-per-step 16 --anchors 24 --lr 8e-4 --warmup 100 --eval-every 250 --checkpoint-every 500 \
+        --samples-per-step 16 --anchors 24 --lr 8e-4 --warmup 100 --eval-every 200 --checkpoint-every 400 \
         2>&1 | tail -40
 }
 
 bench() {
-    timeout 300 python3 tools/bench_block_drafter.py --model "$MODEL" --drafter "$WORK/drafter" --device "$DEVICE" \
+    timeout $(( 180 + SLACK )) python3 tools/bench_block_drafter.py --model "$MODEL" --drafter "$WORK/drafter" --device "$DEVICE" \
         --prompts "$BENCH_PROMPTS" --max-new "${BENCH_NEW:-128}" --md "$OUT/block-drafter.md" --json "$OUT/bench.json" \
         --title "H200 (trained on the H200 by tools/train_block_drafter_gpu.sh)" 2>&1 | tail -30
 }

@@ -37,7 +37,7 @@ from tandem_core.spec.sampler import Pick
 from tandem_core.spec.tree import TokenTree
 from tandem_core.spec.walk import WalkResult, walk_lazy
 
-__all__ = ["SpecDecode", "SpecStats", "Speculation"]
+__all__ = ["DrafterGate", "SpecDecode", "SpecStats", "Speculation"]
 
 
 @dataclass
@@ -67,8 +67,42 @@ class SpecStats:
 
 
 @dataclass
+class DrafterGate:
+    """Whether a costly drafter (one with ``costly = True``: its proposal is a forward of its own, the block
+    drafter's) proposes this round, for one request. A drafter whose verified nodes all missed in ``patience`` verifies in
+    a row (rounds where the cut kept none of its nodes do not count) is skipped for ``2 ** level`` rounds (``level`` grows with each such run, up to ``max_level``), then
+    asked again; one accepted node resets it. A drafter that guesses nothing right on this text (the block
+    drafter on a language it was not trained on, the lookup drafter on novel prose) then stops costing its
+    proposal every round; skipping never changes what is emitted, only what is drafted."""
+
+    patience: int = 8
+    max_level: int = 6
+    misses: int = 0
+    level: int = 0
+    skip: int = 0
+    skipped: int = 0
+
+    def ask(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            self.skipped += 1
+            return False
+        return True
+
+    def observe(self, accepted: bool) -> None:
+        if accepted:
+            self.misses = self.level = 0
+            return
+        self.misses += 1
+        if self.misses >= self.patience:
+            self.skip = 2 ** self.level
+            self.level = min(self.level + 1, self.max_level)
+            self.misses = self.patience - 1      # after the pause one more miss pauses it again, longer
+
+
+@dataclass
 class Speculation:
-    """One engine's speculation: its drafters (they keep this engine's session history) and its cut
+    """One engine's speculation: its drafters (they keep this engine's session history), its cut
     (prices and calibration learnt on this engine)."""
 
     drafters: Sequence[Drafter]
@@ -87,6 +121,8 @@ class SpecDecode(Decode):
         self.tree_engine: TreeEngine = engine
         self._begun = False
         self._indexing: threading.Thread | None = None
+        self._proposed: list[str] = []     # the drafters that proposed this round (their gates hear the outcome)
+        self._gates: dict[str, DrafterGate] = {}   # a costly drafter's gate, for this request (new text, new chance)
         # drafters that read the target's hidden rows: the engine taps their layers, and every forward of the
         # sequence hands them its rows (the prefill's, each decode step's, each verify's accepted path)
         self._readers = [d for d in speculation.drafters if isinstance(d, ReadsHidden)]
@@ -151,7 +187,8 @@ class SpecDecode(Decode):
     def _hand_rows(self, sequence: Sequence[int], index: torch.Tensor | None = None, first: int = 0) -> None:
         """The last forward's tapped rows to the drafters: the forward's rows ending at ``kv.length`` (or, after a
         verify, the rows ``index`` of its nodes, at positions from ``first``: pending and the accepted path)."""
-        rows = {i: self.engine.hidden_at(i) for i in self._tapped}
+        eng: Any = self.engine             # a tapping engine (SequenceEngine's hidden_at)
+        rows = {i: eng.hidden_at(i) for i in self._tapped}
         if index is not None:
             rows = {i: r.index_select(0, index.to(r.device)) for i, r in rows.items()}
         else:
@@ -172,7 +209,15 @@ class SpecDecode(Decode):
         budget = min(self.spec.max_tree, max(room, 0))
         if budget <= 0 or not self.spec.drafters:
             return TokenTree.empty()
-        tree = TokenTree.merge(d.propose(context, budget) for d in self.spec.drafters)
+        proposals = []
+        self._proposed = []
+        for d in self.spec.drafters:
+            if not getattr(d, "costly", False) or self._gates.setdefault(d.name, DrafterGate()).ask():
+                p = d.propose(context, budget)
+                if len(p):
+                    proposals.append(p)
+                    self._proposed.append(d.name)
+        tree = TokenTree.merge(proposals)
         if len(tree) == 0:
             return tree
         return self.spec.cut.cut_round(tree, len(context), budget).tree
@@ -193,6 +238,7 @@ class SpecDecode(Decode):
         self.commit(self.sample(logits))
         for d in self.spec.drafters:
             d.accepted([pending])
+        self._proposed = []                  # nothing verified: no drafter was tried (the cut's exploration retries)
         self.stats.rounds += 1
         self.stats.tokens += len(self.generated) - before
         return self.emit()
@@ -249,6 +295,12 @@ class SpecDecode(Decode):
         for d in self.spec.drafters:
             d.accepted([pending, *path])
         self.spec.cut.observe_walk(tree, result.path_nodes)
+        hit = {src for k in result.path_nodes for src in tree.sources[k]}
+        tried = {src for srcs in tree.sources for src in srcs}
+        for name in self._proposed:          # a drafter whose verified nodes all missed; one the cut left out is not tried
+            if name in tried and name in self._gates:
+                self._gates[name].observe(name in hit)
+        self._proposed = []
         self.stats.rounds += 1
         self.stats.drafted += len(tree)
         self.stats.accepted += len(path)

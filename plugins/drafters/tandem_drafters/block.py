@@ -34,7 +34,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -302,6 +302,8 @@ class Layer(nn.Module):
 class BlockModel(nn.Module):
     """The drafter's own weights; parameter names are the published layout's tensor names."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: BlockConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -327,7 +329,10 @@ class BlockModel(nn.Module):
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's keys and values of the projected context rows ``ctx [T, H]`` at ``positions [T]``."""
         cos, sin = self.rope_at(positions)
-        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self._layers()]
+
+    def _layers(self) -> list[Layer]:
+        return [cast(Layer, layer) for layer in self.layers]
 
     def blocks(self, x: torch.Tensor, ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
                mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -335,7 +340,7 @@ class BlockModel(nn.Module):
         context keys/values; ``mask [Q, C + Q]`` (True: attend) or None (every row sees everything).
         Returns the rows after the final norm, ``[Q, H]``."""
         cos, sin = self.rope_at(positions)
-        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+        for layer, (ck, cv) in zip(self._layers(), ctx_kv):
             x = x + layer.self_attn(layer.input_layernorm(x), ck, cv, cos, sin, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
@@ -490,6 +495,7 @@ class BlockDrafter:
     """
 
     name = "block"
+    costly = True      # its proposal is a forward: the loop pauses it while it misses (DrafterGate)
 
     def __init__(self, target: TargetInfo, path: str | Path | None = None, top_k: int = 4,
                  min_prob: float = 0.01, model: BlockModel | None = None) -> None:
@@ -528,8 +534,8 @@ class BlockDrafter:
 
     # -- the sequence ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        self._kbuf: list[torch.Tensor] = []
-        self._vbuf: list[torch.Tensor] = []
+        self._kbuf = []
+        self._vbuf = []
         self._pos, self._toks = [], []
         self._check = True
 

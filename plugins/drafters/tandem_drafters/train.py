@@ -327,7 +327,7 @@ def is_held_out(i: int, frac: float) -> bool:
 
 
 def drafter_shape(hidden: int, layers: int = 2, heads: int = 0, kv_heads: int = 0,
-                  intermediate: int = 0) -> dict[str, int]:
+                  intermediate: int = 0) -> dict[str, Any]:
     """A drafter's shape for a target of width ``hidden`` (heads of 64 where it divides, kv heads a third or a
     half of them, the MLP 16/9 of the width)."""
     if not heads:
@@ -343,7 +343,7 @@ def drafter_shape(hidden: int, layers: int = 2, heads: int = 0, kv_heads: int = 
 
 
 def new_config(served: Any, model_id: str, layers: tuple[int, ...], block_size: int, mask_token: int | None,
-               shape: dict[str, int]) -> BlockConfig:
+               shape: dict[str, Any]) -> BlockConfig:
     caps = served.engine.caps
     H = int(caps.hidden_size)
     V = int(served.tokenizer.vocab_size)
@@ -395,6 +395,7 @@ class Trainer:
         self.pos_w = (w / w.mean()).to(self.device)
         self.step = 0
         self.elapsed = 0.0
+        self.best = math.inf       # the best held-out loss: OUT/drafter holds the weights that reached it
 
     def _init_weights(self) -> None:
         g = torch.Generator().manual_seed(self.o.seed)
@@ -406,6 +407,29 @@ class Trainer:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     p.mul_(1.0 / math.sqrt(2 * self.cfg.num_layers))
+
+    def calibrate(self, engine: Any, samples: Sequence[dict[str, Any]]) -> float:
+        """Start the drafter's final norm at the target's own output scale: per dimension, the root mean square of
+        the target's rows after its final norm (``hidden_post_norm``) over a few samples. The head then reads
+        rows of the size it was trained on; a norm started at 1 against a head fed by a much smaller final norm
+        would spend thousands of steps shrinking. Returns the mean scale."""
+        acc = None
+        n = 0
+        with torch.inference_mode():
+            for s in samples[:4]:
+                engine.reset()
+                engine.forward([int(t) for t in s["tokens"]])
+                rows = engine.hidden_post_norm().float()
+                sq = rows.pow(2).sum(0).cpu()
+                acc = sq if acc is None else acc + sq
+                n += rows.shape[0]
+            engine.reset()
+        if acc is None or n == 0:
+            return 1.0
+        scale = (acc / n).sqrt().clamp(min=1e-3)
+        with torch.no_grad():
+            self.model.norm.weight.copy_(scale.to(self.model.norm.weight.device))
+        return round(float(scale.mean()), 4)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -462,13 +486,18 @@ class Trainer:
                 "held_blocks": int(t.numel())}
 
     # -- checkpoints --------------------------------------------------------------------------------------
-    def save(self, extra: dict[str, Any]) -> None:
+    def save_state(self) -> None:
+        """The training state (weights, optimizer, step, time, best held-out loss): what a resume starts from."""
         ck = self.o.out / "ckpt"
         ck.mkdir(parents=True, exist_ok=True)
         state = {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                 "elapsed": self.elapsed, "config": self.cfg.to_json(), "rng": torch.get_rng_state()}
+                 "elapsed": self.elapsed, "best": self.best, "config": self.cfg.to_json(),
+                 "rng": torch.get_rng_state()}
         torch.save(state, ck / "state.pt.part")
         os.replace(ck / "state.pt.part", ck / "state.pt")
+
+    def save_drafter(self, extra: dict[str, Any]) -> None:
+        """``OUT/drafter``: the weights now, in the published layout, with the training record in the config."""
         cfg = BlockConfig(**{**self.cfg.__dict__, "extra": {**self.cfg.extra, **extra}})
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.o.save_dtype]
         save_checkpoint(self.model, self.o.out / "drafter", dtype=dt, cfg=cfg)
@@ -481,6 +510,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+        self.best = float(state.get("best", math.inf))
         return True
 
 
@@ -509,6 +539,7 @@ def train(o: TrainOptions, cfg: BlockConfig | None, log: Any = None, served: Any
         raise ValueError("train: no drafter config (none given and no checkpoint to resume)")
     tr = Trainer(served, cfg, o)
     resumed = tr.resume()
+    scale = None if resumed else tr.calibrate(served.engine, train_set)
     rng = random.Random(o.seed * 7919 + tr.step)
     t_start = time.monotonic()
     elapsed_before = tr.elapsed
@@ -517,7 +548,7 @@ def train(o: TrainOptions, cfg: BlockConfig | None, log: Any = None, served: Any
     base = {"samples": len(samples), "train_samples": len(train_set), "held_samples": len(held),
             "train_tokens": tokens}
     if log is not None:
-        log({"stage": "train-start", "step": tr.step, "resumed": resumed, **base})
+        log({"stage": "train-start", "step": tr.step, "resumed": resumed, "norm_scale": scale, **base})
     bar = _bar(max(0, o.steps - tr.step), "train", o.bar and sys.stderr.isatty())
     rec: dict[str, Any] = {}
     stop = False
@@ -545,20 +576,28 @@ def train(o: TrainOptions, cfg: BlockConfig | None, log: Any = None, served: Any
         stop = bool(horizon) and tr.elapsed >= horizon
         last = tr.step >= o.steps or stop
         if tr.step % o.eval_every == 0 or last:
-            rec = {"stage": "eval", "step": tr.step, "loss": round(float(loss.detach()), 4), "lr": round(tr.lr_at(progress), 7),
-                   "seconds": round(tr.elapsed, 1), **tr.evaluate(held or train_set[:8])}
+            rec = {"stage": "eval", "step": tr.step, "loss": round(float(loss.detach()), 4),
+                   "lr": round(tr.lr_at(progress), 7), "seconds": round(tr.elapsed, 1),
+                   **tr.evaluate(held or train_set[:8])}
+            if rec["held_loss"] < tr.best:      # keep the drafter that does best on the held-out samples
+                tr.best = rec["held_loss"]
+                rec["kept"] = True
+                tr.save_drafter({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
+                                 **{k: v for k, v in rec.items() if k.startswith("held_")}})
             if log is not None:
                 log(rec)
         if tr.step % o.checkpoint_every == 0 or last:
-            tr.save({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
-                     **{k: v for k, v in rec.items() if k.startswith("held_")}})
+            tr.save_state()
     bar.close()
-    if tr.step >= o.steps and not rec:   # resumed at the end: one evaluation, one save
+    if not (o.out / "drafter" / "config.json").exists():   # resumed at the end with no drafter written
         rec = {"stage": "eval", "step": tr.step, "seconds": round(tr.elapsed, 1), **tr.evaluate(held or train_set[:8])}
-        tr.save({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
-                 **{k: v for k, v in rec.items() if k.startswith("held_")}})
+        tr.save_drafter({"trained_steps": tr.step, "train_seconds": round(tr.elapsed, 1), **base,
+                         **{k: v for k, v in rec.items() if k.startswith("held_")}})
+        tr.save_state()
+    kept = read_config(o.out / "drafter").extra
     end = {"stage": "train-end", "step": tr.step, "seconds": round(tr.elapsed, 1), **base,
-           **{k: v for k, v in rec.items() if k.startswith("held_")}}
+           "drafter_step": kept.get("trained_steps"), "held_loss": kept.get("held_loss"),
+           "held_tau": kept.get("held_tau")}
     if log is not None:
         log(end)
     return end

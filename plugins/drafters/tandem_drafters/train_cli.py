@@ -96,7 +96,8 @@ def run_train(args: argparse.Namespace) -> int:
             end = T.train(o, cfg, log, served)
         except ValueError as exc:
             raise CliError(str(exc)) from None
-        print(f"drafter: {out / 'drafter'} (step {end['step']}, held-out tau {end.get('held_tau')})")
+        print(f"drafter: {out / 'drafter'} (trained {end['step']} steps, kept step {end.get('drafter_step')}: "
+              f"held-out loss {end.get('held_loss')}, tau {end.get('held_tau')})")
     return 0
 
 

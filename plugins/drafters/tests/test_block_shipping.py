@@ -34,8 +34,8 @@ def ship(tmp_path: Path) -> tuple[Path, dict]:
     return reg, entry
 
 
-def test_pull_verifies_the_shipped_drafter_and_the_audit_refuses_a_changed_file(tmp_path, fake_pip, monkeypatch,
-                                                                                 capsys):  # noqa: F811
+def test_pull_verifies_the_shipped_drafter_and_the_audit_refuses_a_changed_file(
+        tmp_path, fake_pip, monkeypatch, capsys):  # noqa: F811
     from tandem_core.cli.main import main
 
     reg, entry = ship(tmp_path)

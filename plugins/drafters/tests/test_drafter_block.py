@@ -326,3 +326,59 @@ def test_block_speculation_on_tiny_qwen38_equals_plain(tmp_path, params):
             assert torch.equal(sec, plain_engine.state.sections[name]), name
         drafted += dec.stats.drafted
     assert drafted > 0
+
+
+def test_a_chunked_prefill_with_safe_points_hands_every_chunk(tiny, block_dir, monkeypatch):
+    """The prefill in chunks with a safe point between them (the server's path, where the side lane may run a
+    forward of its own there): the drafter gets every chunk's rows, read before the safe point."""
+    from tandem_core.spec.loop import prefill
+
+    monkeypatch.setenv("TANDEM_LLAMA_PREFILL_CHUNK", "4")
+    served = serve_tiny(tiny)
+    assert served.engine.caps.prefill_chunk == 4
+    target = target_of(served)
+    blk = build_drafter("block", target, path=str(block_dir))
+    other = served.spawn()
+    calls = []
+
+    def side_lane() -> None:            # a forward on another engine: the spec engine's taps must be read already
+        calls.append(1)
+        other.reset()
+        other.forward([1, 2, 3])
+
+    prompt = list(range(40, 51))
+    dec = SpecDecode(served.engine, DecodeRequest(prompt, 6, SamplingParams(temperature=0.0)), IdDetok(),
+                     speculation=Speculation([blk], flat_cut(), 8), start=prefill, safe_point=side_lane)
+    got = [t for c in dec.run() for t in c.tokens]
+    assert calls and blk._toks == [*prompt, *got][: len(blk._toks)] and len(blk._toks) >= len(prompt)
+    ref = build_drafter("block", target, path=str(block_dir))
+    eng = served.spawn()
+    eng.tap((0, 1))
+    eng.forward(prompt)
+    ref.hidden(0, prompt, {i: eng.hidden_at(i) for i in (0, 1)})
+    for a, b in zip(blk._k, ref._k):
+        torch.testing.assert_close(a[:, : len(prompt)], b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_block_drafter_that_keeps_missing_is_paused_and_asked_again(served, block_dir):
+    from tandem_core.spec.speculate import DrafterGate
+
+    g = DrafterGate(patience=2)
+    seen = []
+    for accepted in (False, False, None, None, False, None, None, None, True):
+        asked = g.ask()
+        seen.append(asked)
+        if asked and accepted is not None:
+            g.observe(accepted)
+    # two misses: paused 1 round; one more miss: paused 2; then asked again, and a hit resets it
+    assert seen == [True, True, False, True, True, False, False, True, True] and g.level == 0
+    blk = build_drafter("block", target_of(served), path=str(block_dir))
+    calls = []
+    real = blk.propose
+    blk.propose = lambda ctx, n: calls.append(1) or real(ctx, n)
+    prompt = [7, 8, 9]
+    want, _ = run(Decode, served.spawn(), prompt, SamplingParams(temperature=0.0), max_tokens=40)
+    got, dec = run(SpecDecode, served.engine, prompt, SamplingParams(temperature=0.0), max_tokens=40,
+                   speculation=Speculation([blk], flat_cut(), 16))
+    assert got == want
+    assert dec.stats.accepted == 0 and 8 <= len(calls) < dec.stats.rounds

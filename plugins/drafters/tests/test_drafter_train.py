@@ -68,14 +68,19 @@ def test_train_resume_and_serve_the_drafter(tmp_path, tiny, capsys):
     assert [r["step"] for r in evals] == [3, 6] and all(r["held_blocks"] > 0 for r in evals)
     assert any(r["stage"] == "data" and r["samples"] == len(samples) for r in log)
     cfg = read_config(out / "drafter")
-    assert cfg.extra["trained_steps"] == 6 and cfg.target_layer_ids == (0, 1) and cfg.tokenizer is not None
+    # the drafter kept is the one of the best held-out loss
+    best = min(evals, key=lambda r: r["held_loss"])
+    assert cfg.extra["trained_steps"] == best["step"] and cfg.extra["held_loss"] == best["held_loss"]
+    assert cfg.target_layer_ids == (0, 1) and cfg.tokenizer is not None
     # resume: the data stage has nothing left to do, training continues from step 6
     assert main(args(tiny, out, src, "--steps", "9")) == 0
     log = list(T.iter_log(out / "log.jsonl"))
     start = [r for r in log if r["stage"] == "train-start"]
     assert start[-1]["resumed"] and start[-1]["step"] == 6
     assert [r for r in log if r["stage"] == "data"][-1]["new"] == 0
-    assert read_config(out / "drafter").extra["trained_steps"] == 9
+    assert [r for r in log if r["stage"] == "train-end"][-1]["step"] == 9
+    evals = [r for r in log if r["stage"] == "eval"]
+    assert read_config(out / "drafter").extra["held_loss"] == min(r["held_loss"] for r in evals)
     # the drafter loads for its target and speculation with it stays lossless
     served = serve_tiny(tiny)
     target = TargetInfo.of_engine(served.engine, tokenizer=served.tokenizer.fingerprint(),
