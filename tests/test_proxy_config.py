@@ -197,3 +197,18 @@ def test_the_dashboards_data_needs_the_key_and_its_page_does_not(tmp_path):
     assert {m["id"]: m["owned_by"] for m in r["models"].json()["data"]} == {"qwen2.5-7b": "vllm",
                                                                            "qwen2.5-coder": "vllm", "big": "cloud"}
     assert r["unknown"].status_code == 404 and "qwen2.5-7b" in r["unknown"].json()["error"]["message"]
+
+
+def test_credentials_in_a_backend_url_are_never_shown():
+    import httpx
+
+    from tandem_core.proxy.config import Backend
+    from tandem_core.proxy.hub import describe
+
+    b = Backend(name="cloud", url="https://alice:s3cret@api.example.com/v1", models=("m",), api_key=None,
+                api_key_env=None)
+    assert b.shown == "https://***@api.example.com/v1"
+    msg = describe(httpx.ConnectError("refused"), b)
+    assert "s3cret" not in msg and "alice" not in msg and "***@api.example.com" in msg
+    plain = Backend(name="local", url="http://127.0.0.1:9000/v1", models=("m",), api_key=None, api_key_env=None)
+    assert plain.shown == plain.url

@@ -45,6 +45,15 @@ class Backend:
     def ask(self) -> bool:
         return self.models is None
 
+    @property
+    def shown(self) -> str:
+        """The URL as messages, logs and the dashboard show it: credentials in it (``user:pass@``) masked."""
+        scheme, sep, rest = self.url.partition("://")
+        host, slash, path = rest.partition("/")
+        if "@" in host:
+            host = "***@" + host.rsplit("@", 1)[1]
+        return scheme + sep + host + slash + path
+
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         return (prompt_tokens * self.price_in + completion_tokens * self.price_out) / 1e6
 

@@ -101,7 +101,7 @@ class Hub:
                  api_key: str | None = None) -> None:
         self.backends = backends
         self.by_name: dict[str, Backend] = {b.name: b for b in (backends.backends if backends else ())}
-        self.health: dict[str, Health] = {b.name: Health(b.name, b.url) for b in self.by_name.values()}
+        self.health: dict[str, Health] = {b.name: Health(b.name, b.shown) for b in self.by_name.values()}
         self.ledger = LedgerTap(ledger, self)
         self.state = state              # the local ServerState, or None (tandem-dash)
         self.local_model: str | None = state.served.model_id if state is not None else None
@@ -315,18 +315,18 @@ def describe(exc: BaseException, b: Backend) -> str:
     import httpx
 
     if isinstance(exc, httpx.ConnectTimeout):
-        return f"backend {b.name} ({b.url}) accepted no connection within {b.connect_s:g} s"
+        return f"backend {b.name} ({b.shown}) accepted no connection within {b.connect_s:g} s"
     if isinstance(exc, httpx.ConnectError):
-        return f"backend {b.name} ({b.url}) is not reachable: {_short(exc) or 'connection refused'}"
+        return f"backend {b.name} ({b.shown}) is not reachable: {_short(exc) or 'connection refused'}"
     if isinstance(exc, httpx.ReadTimeout):
-        return f"backend {b.name} ({b.url}) sent nothing for {b.read_s:g} s"
+        return f"backend {b.name} ({b.shown}) sent nothing for {b.read_s:g} s"
     if isinstance(exc, httpx.PoolTimeout):
-        return f"backend {b.name} ({b.url}) had no free connection within {b.connect_s:g} s"
+        return f"backend {b.name} ({b.shown}) had no free connection within {b.connect_s:g} s"
     if isinstance(exc, httpx.TimeoutException):
-        return f"backend {b.name} ({b.url}) timed out"
+        return f"backend {b.name} ({b.shown}) timed out"
     if isinstance(exc, httpx.HTTPError):
-        return f"backend {b.name} ({b.url}) failed: {type(exc).__name__}: {_short(exc) or 'connection closed'}"
-    return f"backend {b.name} ({b.url}): {type(exc).__name__}: {_short(exc)}"
+        return f"backend {b.name} ({b.shown}) failed: {type(exc).__name__}: {_short(exc) or 'connection closed'}"
+    return f"backend {b.name} ({b.shown}): {type(exc).__name__}: {_short(exc)}"
 
 
 def _short(exc: BaseException) -> str:
