@@ -205,6 +205,9 @@ def test_fetching_a_published_drafter_without_a_network_fails_in_one_clear_line(
     from tandem_drafters.block import fetch_published
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub     # read at import: a hub imported earlier (by transformers) needs this
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
     with pytest.raises(BlockDrafterError, match="z-lab/Qwen3-8B-DFlash-b16") as e:
         fetch_published("z-lab/Qwen3-8B-DFlash-b16", tmp_path / "x")
     assert "\n" not in str(e.value)
