@@ -171,3 +171,16 @@ def test_sampling_fields_change_the_draw(server):
     penalised = tok.encode(ask(server, temperature=0, max_tokens=6, logit_bias={str(first): 9},
                                frequency_penalty=2.0, presence_penalty=2.0)).ids
     assert boosted.count(first) >= 4 and penalised.count(first) < boosted.count(first)
+
+
+@pytest.mark.parametrize("endpoint", sorted(TABLES))
+def test_an_integral_number_is_an_integer_as_the_document_says(server, endpoint):
+    # JSON Schema's "integer" (what /openapi.json says) takes 2.0; the server does too, and uses it as 2
+    body = dict(BASE[endpoint], max_tokens=2.0, seed=7.0, top_k=-1.0, temperature=0.5)
+    r = post(server, endpoint, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
+    twin = post(server, endpoint, dict(BASE[endpoint], max_tokens=2, seed=7, top_k=-1, temperature=0.5))
+    assert twin.json()["choices"][0] == r.json()["choices"][0]
+    r = post(server, endpoint, dict(BASE[endpoint], max_tokens=2.5))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

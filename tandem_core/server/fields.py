@@ -73,13 +73,16 @@ def _num(lo: float, hi: float, *, nullable: bool = True) -> Validator:
     return v
 
 
-def _int(lo: int, hi: int | None = None) -> Validator:
+def _int(lo: int | None = None, hi: int | None = None) -> Validator:
     def v(x: Any) -> str | None:
         if x is None:
             return None
-        if not _is_int(x) or x < lo or (hi is not None and x > hi):
+        if not _is_int(x) or (lo is not None and x < lo) or (hi is not None and x > hi):
+            if lo is None:
+                return "must be an integer"
             return f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
         return None
+    v.integer = True  # type: ignore[attr-defined]  (check() takes 8.0 for 8 here, as JSON Schema's integer does)
     return v
 
 
@@ -208,11 +211,11 @@ _SAMPLING = [
     Field("temperature", HONOURED, "0 is greedy; default 1", 0.7, 5, _num(0, 2)),
     Field("top_p", HONOURED, "nucleus filter before the seeded draw", 0.9, 1.5, _num(0, 1)),
     Field("top_k", HONOURED, "extension (vLLM's): keep the k most likely; 0 or -1 is off", 40, -5,
-          lambda x: None if x is None or (_is_int(x) and x >= -1) else "must be an integer >= -1"),
+          _int(-1)),
     Field("min_p", HONOURED, "extension (vLLM's): drop tokens under min_p times the top probability", 0.05, 2,
           _num(0, 1)),
     Field("seed", HONOURED, "keys the sampling noise by (seed, position); no seed draws one per request",
-          1234, "x", lambda x: None if x is None or _is_int(x) else "must be an integer"),
+          1234, "x", _int()),
     Field("stop", HONOURED, "up to 16 strings; the stop string is never sent", ["\n\n"], 3, _stop),
     Field("presence_penalty", HONOURED, "OpenAI's definition, over the generated tokens", 0.5, 3, _num(-2, 2)),
     Field("frequency_penalty", HONOURED, "OpenAI's definition, over the generated tokens", 0.5, 3, _num(-2, 2)),
@@ -305,6 +308,9 @@ def _check_level(obj: Mapping[str, Any], rows: Mapping[str, Field], prefix: str)
             raise FieldError(where, f"{what} (this server knows: {', '.join(known)})")
         if row.policy == REFUSED:
             raise FieldError(name, f"not supported by this server ({row.note})")
+        if (getattr(row.validate, "integer", False) and isinstance(value, float) and value.is_integer()
+                and isinstance(obj, dict)):
+            obj[key] = value = int(value)   # an integral number is an integer (JSON Schema, /openapi.json)
         if row.validate is not None:
             why = row.validate(value)
             if why:
