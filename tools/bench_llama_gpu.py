@@ -27,9 +27,10 @@ import torch
 
 
 def build(kind: str, cfg: Any, w: Any, device: str, max_context: int, max_tree: int) -> Any:
-    from tandem_core.engine import SequenceEngine
     from tandem_llama.cuda_runner import LlamaCudaRunner
     from tandem_llama.model import LlamaRunner
+
+    from tandem_core.engine import SequenceEngine
 
     if kind == "eager":
         runner: Any = LlamaRunner(cfg, w, max_context=max_context, max_tree=max_tree, device=device)
@@ -131,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = 1
         print("bench_llama_gpu: the graph runner's greedy tokens differ from the static runner's", file=sys.stderr)
     ref = rows.get("graphs", rows.get("static"))
-    lines = [f"| runner | decode ms/token | tokens/s | verify-{a.verify} ms | verify / decode | prefill "
-             f"{a.prompt} ms | build s | greedy tokens equal to graphs (CPU: static) |", "|---|---|---|---|---|---|---|---|"]
+    head = (f"| runner | decode ms/token | tokens/s | verify-{a.verify} ms | verify / decode | prefill {a.prompt} ms "
+            "| build s | greedy tokens equal to graphs (CPU: static) |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for kind, m in rows.items():
         same = sum(x == y for x, y in zip(m["tokens"], ref["tokens"])) if ref else 0
         lines.append(f"| {kind} | {m['decode_ms']:.2f} | {m['tok_s']:.1f} | {m['verify_ms']:.2f} | "
