@@ -29,6 +29,11 @@ One step (read top-down; the eager runner's arithmetic, each matmul through ``li
                 x += linear_rows(down, silu(gate) * up)     (gate | up one matmul)
     logits = linear_rows(head, rms_norm(x))
 
+On CUDA each residual add and the norm after it are one Triton program a row
+(``triton_fused.add_rms_norm_1p``, handed ``w - 1`` for its ``1 + w`` form) and ``silu(gate) * up``
+is ``triton_fused.silu_mul``: row-invariant kernels, fewer launches. Elsewhere the eager
+runner's ops (``F.rms_norm``, ``tandem_core.ops.act.silu``).
+
 Row invariance: every op of a step computes each row alone (``linear_rows``, norms, rotary and
 the elementwise ops per row; attention per node over keys chosen by position alone), and the
 rows past the tree are computed but never read, so row ``i`` of a verify of width ``W`` equals
@@ -106,7 +111,8 @@ def slots_of(L: int, anc: Sequence[int]) -> list[int]:
 
 def unsupported(cfg: LlamaConfig, weights: LlamaWeights) -> str | None:
     """Why the CUDA graph path cannot run these weights (None: it can): Triton, dense bf16 weights without bias
-    on a CUDA device, a head size the attention kernel tiles (a power of two, 16 .. 256)."""
+    on a CUDA device, a head size the attention kernel tiles (a power of two, 16 .. 256), norm weights that the
+    Triton norm's ``1 + w`` form gives back exactly from ``w - 1``."""
     from tandem_core.linear import DenseLinear
 
     dev = weights.norm.device
@@ -123,6 +129,10 @@ def unsupported(cfg: LlamaConfig, weights: LlamaWeights) -> str | None:
     D = cfg.head_dim
     if D < 16 or D > 256 or D & (D - 1):
         return f"head_dim {D} is not a power of two in 16..256"
+    for t in [*(t for lw in weights.layers for t in (lw.attn_norm, lw.mlp_norm)), weights.norm]:
+        w = t.float()
+        if not torch.equal(1.0 + (w - 1.0), w):
+            return "a norm weight is not exactly 1 + (w - 1) in fp32 (the Triton norm multiplies by 1 + w)"
     return None
 
 
@@ -205,9 +215,11 @@ class LlamaCudaRunner(LlamaRunner):
             if why is not None:
                 raise ValueError(f"LlamaCudaRunner: cannot capture graphs: {why}")
         self._buffer_len = int(self.k_cache.shape[2])
-        self._triton = self.device.type == "cuda" and self.act == torch.bfloat16 and \
-            unsupported(cfg, weights) is None
+        self._triton = self._kernels(cfg, weights)
         self.metas = {w: _Meta(w, self.device) for w in widths}
+        norms = [t for lw in weights.layers for t in (lw.attn_norm, lw.mlp_norm)] + [weights.norm]
+        # the Triton norm multiplies by (1 + w): it is handed w - 1 in fp32 (exact: unsupported() checks it)
+        self._norms = [t.float() - 1.0 for t in norms] if self._triton else norms
         nh, hd = cfg.num_heads, cfg.head_dim
         if self._triton:
             from tandem_core.ops import triton_attention as ta
@@ -222,6 +234,11 @@ class LlamaCudaRunner(LlamaRunner):
                                         graph_widths=widths if self.use_graphs else ())
         if self.use_graphs:
             self.capture()
+
+    def _kernels(self, cfg: LlamaConfig, weights: LlamaWeights) -> bool:
+        """Whether the step runs the Triton kernels (attention, norms, ``silu * up``): bf16 weights their kernels
+        read on a CUDA device; else the torch ops of the same contracts."""
+        return self.device.type == "cuda" and self.act == torch.bfloat16 and unsupported(cfg, weights) is None
 
     # -- the runner verbs ---------------------------------------------------------------------------------
     def buffers(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -290,35 +307,56 @@ class LlamaCudaRunner(LlamaRunner):
         """Width ``W``'s rows over the static buffers (``self.metas[W]``): K/V rows written at the slots, nothing
         read from the host when attention is the kernel's (capturable)."""
         cfg, w, m = self.cfg, self.w, self.metas[W]
-        eps, hsize = cfg.rms_norm_eps, (cfg.hidden_size,)
-        lin, silu = self._ops["linear_rows"], self._ops["silu"]
-        nh, nkv, hd, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        lin = self._ops["linear_rows"]
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.q_dim, cfg.kv_dim
         cos = self.cos.index_select(0, m.pos)[:, None, :]                    # [W, 1, hd]
         sin = self.sin.index_select(0, m.pos)[:, None, :]
         taps: dict[int, torch.Tensor] = {}
         x = w.embed.rows(m.ids).to(self.act)                                 # [W, H]
+        x, h = self._add_norm(x, None, 0)
         for li, lw in enumerate(w.layers):
-            h = F.rms_norm(x, hsize, lw.attn_norm, eps)
             qkv = lin(lw.qkv, h)                                             # [W, q_dim + 2 kv_dim]
             qk = rope_rows(qkv[:, :q_dim + kv_dim].view(W, nh + nkv, hd), cos, sin)
             v = qkv[:, q_dim + kv_dim:].view(W, nkv, hd)
             kc, vc = self.k_cache[li], self.v_cache[li]                      # [nkv, S, hd]
             kc.index_copy_(1, m.slot, qk[:, nh:].transpose(0, 1))
             vc.index_copy_(1, m.slot, v.transpose(0, 1))
-            x = x + lin(lw.o, self._tree_attention(qk, kc, vc, m))
+            x, h = self._add_norm(x, lin(lw.o, self._tree_attention(qk, kc, vc, m)), 2 * li + 1)
             if capture is not None:
                 capture.append((f"layer {li} attention", x[:m.n].clone()))
-            gu = lin(lw.gate_up, F.rms_norm(x, hsize, lw.mlp_norm, eps))     # [W, 2I]
-            x = x + lin(lw.down, silu(gu[:, :inter]).to(self.act) * gu[:, inter:])
+            x, h = self._add_norm(x, lin(lw.down, self._silu_mul(lin(lw.gate_up, h))), 2 * li + 2)
             if capture is not None:
                 capture.append((f"layer {li} mlp", x[:m.n].clone()))
             if li in self._taps:
-                taps[li] = x
-        out = F.rms_norm(x, hsize, w.norm, eps)
+                taps[li] = x.clone()                                         # x moves on in place on CUDA
         if capture is not None:
-            capture.append(("final norm", out[:m.n].clone()))
-        return _Out(out, self._head_rows(out), taps)
+            capture.append(("final norm", h[:m.n].clone()))
+        return _Out(h, self._head_rows(h), taps)
+
+    def _add_norm(self, x: torch.Tensor, d: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + d`` (``d`` None: ``x``) and its RMS norm by norm ``k`` (``_norms``: each layer's attention and MLP
+        norms in order, then the final one). On CUDA one Triton program a row (``triton_fused.add_rms_norm_1p``
+        with the weight as ``w - 1``, exact: ``unsupported`` checks it), ``x`` updated in place; elsewhere the
+        eager runner's ops."""
+        if self._triton:
+            from tandem_core.ops import triton_fused as tf
+
+            h = torch.empty_like(x)
+            tf.add_rms_norm_1p(x, d, self._norms[k], self.cfg.rms_norm_eps, h)
+            return x, h
+        if d is not None:
+            x = x + d
+        return x, F.rms_norm(x, (self.cfg.hidden_size,), self._norms[k], self.cfg.rms_norm_eps)
+
+    def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gu = [gate | up]`` (``[W, 2I]`` -> ``[W, I]``), row by row."""
+        inter = self.cfg.intermediate_size
+        if self._triton:
+            from tandem_core.ops import triton_fused as tf
+
+            return tf.silu_mul(gu, torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device))
+        return self._ops["silu"](gu[:, :inter]).to(self.act) * gu[:, inter:]
 
     def _tree_attention(self, qk: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, m: _Meta) -> torch.Tensor:
         """Each node over the keys plain decode sees at its position (``[W, nh + nkv, hd]`` queries first, the

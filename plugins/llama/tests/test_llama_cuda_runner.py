@@ -2,9 +2,12 @@
 
 On the CPU (``graphs=False``, the torch attention of the same contract) it passes the runner conformance suite on
 the tiny GGUF of test_llama_runner.py, and its rows equal the eager ``LlamaRunner``'s within fp32 rounding (the
-same matmuls; attention over gathered keys instead of a cache view). On a CUDA device (skipped without one) the
-same suite runs with the graphs captured and the Triton attention, and the graph replay equals the step run
-without its graph bit for bit.
+same matmuls; attention over gathered keys instead of a cache view). The CUDA step's own calls (the Triton
+attention with its tree tables and identity gate, the fused residual-add norm handed ``w - 1``, ``silu_mul``) run
+on the CPU in bf16 against torch implementations of those kernels' documented contracts (``KernelContracts``):
+the suite passes on them too, and the rows are the eager bf16 runner's within bf16 rounding. On a CUDA device
+(skipped without one) the same suite runs with the graphs captured and the real kernels, and the graph replay
+equals the step run without its graph bit for bit.
 """
 
 from __future__ import annotations
@@ -102,6 +105,113 @@ def test_serving_keeps_the_eager_runner_on_the_cpu(gguf_path):  # noqa: F811
     assert type(served.engine.runner) is LlamaRunner
     r = served.engine.runner
     assert type(make_runner(r.cfg, r.w, max_context=32, device="cpu")) is LlamaRunner
+
+
+# -- the CUDA step's kernel calls, on the CPU: torch implementations of the kernels' documented contracts ----------
+BF = torch.bfloat16
+
+
+def add_rms_norm_1p(x, parts, w, eps, out):
+    """``triton_fused.add_rms_norm_1p`` with 2-d bf16 parts or None: ``x <- bf16(x + parts)``; ``out =
+    bf16(x / rms(x) * (1 + w))``, one row at a time."""
+    for r in range(x.shape[0]):
+        xf = x[r].float()
+        if parts is not None:
+            xf = (xf + parts[r].float()).to(BF).float()
+            x[r] = xf.to(BF)
+        inv = 1.0 / torch.sqrt((xf * xf).sum() / x.shape[1] + eps)
+        out[r] = (xf * inv * (1.0 + w)).to(BF)
+    return out
+
+
+def silu_mul(gu, out):
+    """``triton_fused.silu_mul``: ``bf16(bf16(silu(gate)) * up)``."""
+    inter = out.shape[1]
+    g, u = gu[:, :inter].float(), gu[:, inter:].float()
+    out.copy_(((g / (1.0 + torch.exp(-g))).to(BF).float() * u).to(BF))
+    return out
+
+
+def tree_attention(q, raw, K, V, meta, pos, anc, scratch, out, *, hq, hkv, head_dim, scale, rows):
+    """``triton_attention.tree_attention``: node j (< ``meta[1]``) over positions ``0 .. pos[j]``, position t read
+    from slot t below ``L = meta[0]`` and from ``L + anc[j, t - L]`` above; times ``sigmoid(gate)``; rows past the
+    tree untouched."""
+    L, n, G, D = int(meta[0]), int(meta[1]), hq // hkv, head_dim
+    assert q.shape[0] >= rows and raw.shape[1] == 2 * hq * D and scratch.rows >= rows and anc.shape == (rows, rows)
+    for j in range(n):
+        p = int(pos[j])
+        at = torch.tensor([t if t < L else L + int(anc[j, t - L]) for t in range(p + 1)])
+        k, v = K[:, at].float(), V[:, at].float()                          # [hkv, p + 1, D]
+        s = q[j].float().view(hkv, G, D) @ k.transpose(1, 2) * scale
+        a = (torch.softmax(s, -1) @ v).reshape(hq, D).to(BF).float()
+        gate = torch.sigmoid(raw[j].float().view(hq, 2 * D)[:, D:]).to(BF).float()
+        out[j] = (a * gate).to(BF).reshape(-1)
+    return out
+
+
+class KernelContracts:
+    """Monkeypatches the three Triton launchers with the torch contracts above; ``runner`` builds a bf16
+    ``LlamaCudaRunner`` on the CPU that takes the kernels' path."""
+
+    def __init__(self, monkeypatch):
+        from tandem_core.ops import triton_attention, triton_fused
+
+        monkeypatch.setattr(triton_fused, "add_rms_norm_1p", add_rms_norm_1p)
+        monkeypatch.setattr(triton_fused, "silu_mul", silu_mul)
+        monkeypatch.setattr(triton_attention, "tree_attention", tree_attention)
+
+    @staticmethod
+    def runner_class():
+        from tandem_llama.cuda_runner import LlamaCudaRunner
+
+        class OnKernels(LlamaCudaRunner):
+            def _kernels(self, cfg, weights):
+                return True
+
+        return OnKernels
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny):
+    from tandem_llama.weights import on_device
+
+    cfg, w = tiny
+    return cfg, on_device(w, "cpu", BF)
+
+
+class TestLlamaKernelPathOnTheCPU(RunnerContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, tiny_bf16):
+        cfg, w = tiny_bf16
+        mp = pytest.MonkeyPatch()
+        KernelContracts(mp)
+        cls_ = KernelContracts.runner_class()
+
+        def build(max_context: int = 256, max_tree: int = 64, **kw):
+            return SequenceEngine(cls_(cfg, w, max_context=max_context, max_tree=max_tree, graphs=False, **kw),
+                                  name="llama")
+
+        yield RunnerCase(build=build, vocab=VOCAB, prompt=lambda n, seed: prompt(n, seed))
+        mp.undo()
+
+    def test_it_takes_the_kernels_path_and_equals_the_eager_bf16_runner(self, case, tiny_bf16):
+        from tandem_llama.model import LlamaRunner
+
+        cfg, w = tiny_bf16
+        eng = case.build(max_context=128, max_tree=16)
+        assert eng.runner._triton and eng.runner.manifest().settings["attention"] == "triton"
+        ref = SequenceEngine(LlamaRunner(cfg, w, max_context=128, max_tree=16), name="llama")
+        p = prompt(21, seed=8)
+        eng.forward(p)
+        ref.forward(p)
+        for t in (5, 77, 200, 9):
+            a, b = ref.forward([t]), eng.forward([t])
+            torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
+        tokens, parents = random_tree(random.Random(4), 12, VOCAB)
+        a = ref.forward_tree(torch.tensor(tokens), torch.tensor(parents)).logits
+        b = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents)).logits
+        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
