@@ -34,7 +34,8 @@ On CUDA each residual add and the norm after it are one Triton program a row
 is ``triton_fused.silu_mul``: row-invariant kernels, fewer launches. Elsewhere the eager
 runner's ops (``F.rms_norm``, ``tandem_core.ops.act.silu``).
 
-Row invariance: every op of a step computes each row alone (``linear_rows``, norms, rotary and
+Row invariance: every op of a step computes each row alone (``linear_rows``: on CUDA the skinny
+matmul ``tandem_core.ops.triton_matmul.skinny_matmul`` called straight, a plan per weight shape; norms, rotary and
 the elementwise ops per row; attention per node over keys chosen by position alone), and the
 rows past the tree are computed but never read, so row ``i`` of a verify of width ``W`` equals
 the decode row at its position after committing its path, bit for bit, whatever ``W``.
@@ -307,7 +308,7 @@ class LlamaCudaRunner(LlamaRunner):
         """Width ``W``'s rows over the static buffers (``self.metas[W]``): K/V rows written at the slots, nothing
         read from the host when attention is the kernel's (capturable)."""
         cfg, w, m = self.cfg, self.w, self.metas[W]
-        lin = self._ops["linear_rows"]
+        lin = self._lin
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.q_dim, cfg.kv_dim
         cos = self.cos.index_select(0, m.pos)[:, None, :]                    # [W, 1, hd]
@@ -332,7 +333,20 @@ class LlamaCudaRunner(LlamaRunner):
                 taps[li] = x.clone()                                         # x moves on in place on CUDA
         if capture is not None:
             capture.append(("final norm", h[:m.n].clone()))
-        return _Out(h, self._head_rows(h), taps)
+        return _Out(h, lin(w.lm_head, h).float() if self._triton else self._head_rows(h), taps)
+
+    def _lin(self, lin: Any, x: torch.Tensor) -> torch.Tensor:
+        """``linear_rows(lin, x)``. On CUDA the skinny matmul straight into its own output (``cuda_backend.
+        linear_rows`` without its copy: the same kernel and plan, so the same bits; fp32 partials, where the plan
+        cuts K, added in index order)."""
+        if not self._triton:
+            return self._ops["linear_rows"](lin, x)
+        from tandem_core.ops import triton_matmul as tm
+
+        wt = lin.weight
+        piece = tm.skinny_matmul(x if x.stride(1) == 1 else x.contiguous(), wt,
+                                 tm.plan_for(int(wt.shape[0]), int(wt.shape[1])))
+        return tm.reduce_parts(piece).to(x.dtype) if piece.dim() == 3 else piece
 
     def _add_norm(self, x: torch.Tensor, d: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``x + d`` (``d`` None: ``x``) and its RMS norm by norm ``k`` (``_norms``: each layer's attention and MLP

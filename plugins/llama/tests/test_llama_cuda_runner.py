@@ -3,7 +3,7 @@
 On the CPU (``graphs=False``, the torch attention of the same contract) it passes the runner conformance suite on
 the tiny GGUF of test_llama_runner.py, and its rows equal the eager ``LlamaRunner``'s within fp32 rounding (the
 same matmuls; attention over gathered keys instead of a cache view). The CUDA step's own calls (the Triton
-attention with its tree tables and identity gate, the fused residual-add norm handed ``w - 1``, ``silu_mul``) run
+attention with its tree tables and identity gate, the fused residual-add norm handed ``w - 1``, ``silu_mul``, the skinny matmul) run
 on the CPU in bf16 against torch implementations of those kernels' documented contracts (``KernelContracts``):
 the suite passes on them too, and the rows are the eager bf16 runner's within bf16 rounding. On a CUDA device
 (skipped without one) the same suite runs with the graphs captured and the real kernels, and the graph replay
@@ -149,12 +149,20 @@ def tree_attention(q, raw, K, V, meta, pos, anc, scratch, out, *, hq, hkv, head_
     return out
 
 
+def skinny_matmul(x, w, plan=None, out=None):
+    """``triton_matmul.skinny_matmul`` of a plan that does not cut K: ``[M, N]`` bf16, every row alone."""
+    assert out is None and x.stride(1) == 1 and x.shape[0] <= 128
+    return torch.cat([(x[r:r + 1].float() @ w.float().T).to(BF) for r in range(x.shape[0])])
+
+
 class KernelContracts:
-    """Monkeypatches the three Triton launchers with the torch contracts above; ``runner`` builds a bf16
+    """Monkeypatches the four Triton launchers with the torch contracts above; ``runner_class`` is a bf16
     ``LlamaCudaRunner`` on the CPU that takes the kernels' path."""
 
     def __init__(self, monkeypatch):
-        from tandem_core.ops import triton_attention, triton_fused
+        from tandem_core.ops import triton_attention, triton_fused, triton_matmul
+
+        monkeypatch.setattr(triton_matmul, "skinny_matmul", skinny_matmul)
 
         monkeypatch.setattr(triton_fused, "add_rms_norm_1p", add_rms_norm_1p)
         monkeypatch.setattr(triton_fused, "silu_mul", silu_mul)
