@@ -417,10 +417,9 @@ class LlamaCudaRunner(LlamaRunner):
         base = super().manifest()
         files = set(base.files) | {str(Path(__file__).resolve())}
         if self._triton:
-            from tandem_core.ops import triton_attention, triton_matmul
+            from tandem_core.ops import triton_attention, triton_fused, triton_matmul
 
-            files |= {str(Path(str(triton_attention.__file__)).resolve()),
-                      str(Path(str(triton_matmul.__file__)).resolve())}
+            files |= {str(Path(str(m.__file__)).resolve()) for m in (triton_attention, triton_fused, triton_matmul)}
         settings = {**base.settings, "path": "static_graphs" if self.use_graphs else "static",
                     "widths": list(self.widths), "attention": "triton" if self._triton else "torch"}
         return Manifest(tuple(sorted(files)), settings, base.extra)
