@@ -405,7 +405,8 @@ class LlamaCudaRunner(LlamaRunner):
                 self.metas[W].fill(L, [0] * W, [-1, *range(W - 1)])
                 self._step(W)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=stream):
+                # thread-local: a recapture (``tap``) may run while a sibling engine computes on another thread
+                with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
                     self._outs[W] = self._step(W)
                 self.graphs[W] = g
         torch.cuda.current_stream(dev).wait_stream(stream)
