@@ -8,8 +8,8 @@ Two real servers on tiny re-randomised checkpoints, started as a user starts the
   chats whole and streamed; a forced tool call that parses; ``json_object``; a short request answered
   inside a long generation (the side lane) with the long text unchanged; a client that leaves is cancelled;
   a second turn of a session resumes from the resident prefix on the device;
-- the Llama family (the default model's), from a tiny GGUF file, on the device in bf16: it serves, and its
-  self-check passes there (verified rows equal decode rows on the GPU).
+- the Llama family (the default model's), from a tiny GGUF file, on the device in bf16 through its CUDA graph
+  runner: it serves, and its self-check passes there (verified rows equal decode rows on the GPU).
 
 On the CPU this file only checks that ``--device cuda`` is refused in one line before anything loads.
 """
@@ -204,6 +204,8 @@ def test_the_llama_family_serves_on_the_device_with_grammars_and_its_self_check(
     try:
         h = httpx.get(srv.url + "/health").json()
         assert h["engine"]["device"].startswith("cuda") and h["engine"]["dtype"] == "bf16"
+        eng = h["engine"]                                # the CUDA graph runner (LlamaCudaRunner): widths 1..8
+        assert eng["graph_widths"] and eng["graph_widths"][0] == 1 and eng["graph_widths"][-1] == eng["max_tree"]
         assert h["speculation"]["enabled"], h["speculation"]
         c = client(srv)
         got = c.completions.create(model="replay-test", prompt=[5, 17, 2, 99], max_tokens=12, temperature=0)

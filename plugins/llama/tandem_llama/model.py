@@ -20,6 +20,11 @@ dtype, logits in fp32. The same layer code runs on both: every op comes from
 ``tandem_core.ops.get(name, device)`` (on CUDA, ``linear_rows`` of a bf16 dense weight is the
 row-invariant Triton kernel of ``tandem_core.ops.cuda_backend``).
 
+On a CUDA device whose weights its kernels read, the serving builds ``LlamaCudaRunner``
+(``tandem_llama.cuda_runner``) instead: this runner's prefill and layout, with decode and verify
+as one static-buffer step per width captured as CUDA graphs; this runner stays the CPU's and
+the reference.
+
 Three forms of one layer code, one for each runner verb:
 
 - prefill (``prefill``, a ``Step`` of several rows): rows batched through every

@@ -9,12 +9,15 @@ safetensors shards, ``tokenizer.json`` and the template of
 
 Llama models write tool calls in the Hermes JSON form and no ``<think>`` block.
 Options read (``ServeArgs.options``): ``max_tree``, the widest tree one verify
-carries (default 64).
+carries (default 64); ``graphs`` (default on), off to run the CUDA path without CUDA graphs.
 
 On the CPU the engine computes in fp32 over the file's own formats. On a CUDA
 device (``args.device``) the weights are read lean (quantised, as stored) and
 moved one tensor at a time, dense in ``args.dtype`` (bf16 or fp32), to the device
 (``weights.on_device``): the host never holds more than one dequantised tensor.
+There the runner is ``LlamaCudaRunner`` (decode and verify captured as CUDA graphs over static
+buffers) when its kernels read the weights (bf16, Triton; ``cuda_runner.unsupported`` says why
+not otherwise), else the eager ``LlamaRunner`` (``make_runner``).
 """
 
 from __future__ import annotations
@@ -24,16 +27,35 @@ from typing import Any
 
 import torch
 
-from tandem_core.engine import Engine
+from tandem_core.engine import Engine, SequenceEngine
 from tandem_core.serving import ServeArgs, ServeContext, Served
 from tandem_core.settings import SETTINGS
 from tandem_core.tokenizer import HFTokenizer, load_chat_template
 from tandem_llama.config import LlamaConfig, config_of, from_hf
 from tandem_llama.gguf_reader import GGUFFile, build_tokenizer, stop_ids
-from tandem_llama.model import build_engine
+from tandem_llama.model import LlamaRunner
 from tandem_llama.weights import LlamaWeights, load_gguf, load_hf, on_device
 
-__all__ = ["resolve_path", "serve"]
+__all__ = ["build_engine", "make_runner", "resolve_path", "serve"]
+
+
+def make_runner(cfg: LlamaConfig, weights: LlamaWeights, *, graphs: bool = True, **kw: Any) -> LlamaRunner:
+    """The runner for where the weights are: ``LlamaCudaRunner`` (CUDA graphs unless ``graphs`` is off) on a CUDA
+    device whose weights its kernels read, else the eager ``LlamaRunner`` (the CPU's, and the reference).
+    ``kw``: the runners' own arguments (``max_context``, ``prefill_chunk``, ``max_tree``, ``device``)."""
+    from tandem_llama.cuda_runner import unsupported
+
+    if torch.device(kw.get("device", "cpu")).type == "cuda" and unsupported(cfg, weights) is None:
+        from tandem_llama.cuda_runner import LlamaCudaRunner
+
+        return LlamaCudaRunner(cfg, weights, graphs=graphs, **kw)
+    return LlamaRunner(cfg, weights, **kw)
+
+
+def build_engine(cfg: LlamaConfig, weights: LlamaWeights, *, graphs: bool = True, **kw: Any) -> SequenceEngine:
+    """A ``SequenceEngine`` over ``make_runner(cfg, weights, graphs=graphs, **kw)`` (its own buffers, shared
+    weights)."""
+    return SequenceEngine(make_runner(cfg, weights, graphs=graphs, **kw), name="llama")
 
 
 def resolve_path(path: str | Path) -> tuple[str, Path]:
@@ -66,6 +88,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     dense = bool(SETTINGS.get("LLAMA_DENSE")) and not on_cuda     # on CUDA: read lean, dequantise on the way
     chunk = int(SETTINGS.get("LLAMA_PREFILL_CHUNK"))
     max_tree = int(args.options.get("max_tree", 64))
+    graphs = str(args.options.get("graphs", "1")).lower() not in ("0", "false", "no", "off")
     kind, path = resolve_path(args.path)
     ctx.mark("open")
     tokenizer: HFTokenizer
@@ -109,7 +132,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
 
     def spawn() -> Engine:
         return build_engine(cfg, weights, max_context=max_ctx, prefill_chunk=chunk, max_tree=max_tree,
-                            device=str(device))
+                            device=str(device), graphs=graphs)
 
     engine = spawn()
     ctx.mark("engine")

@@ -163,7 +163,9 @@ def twin_row(twin, base, tokens, parents, i):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 class TestLlamaCudaRunner(RunnerContract):
-    """The same runner on a CUDA device: the weights dense in bf16 there (``weights.on_device``)."""
+    """The same (eager) runner on a CUDA device: the weights dense in bf16 there (``weights.on_device``). The CUDA
+    graph runner the serving picks there has its own class (test_llama_cuda_runner.py, ``TestLlamaCudaGraphRunner``);
+    this one stays the eager reference on the device."""
 
     @pytest.fixture(scope="class")
     @classmethod
