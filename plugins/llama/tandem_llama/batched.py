@@ -34,10 +34,14 @@ __all__ = ["BatchedLlama"]
 
 class BatchedLlama:
     """Batched greedy generation and hidden rows over ``weights`` on ``device`` (the weights' own dtype for the
-    activations: fp32 on the CPU, bf16 on CUDA as served)."""
+    activations: fp32 on the CPU, bf16 on CUDA as served). A forward over whole sequences (the prompts, or
+    ``hidden``'s sequences) runs in row chunks of about ``chunk_tokens`` tokens, so its activations and its
+    attention scores stay bounded whatever the batch."""
 
-    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, device: str = "cpu") -> None:
+    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, device: str = "cpu",
+                 chunk_tokens: int = 16384) -> None:
         self.cfg, self.w = cfg, weights
+        self.chunk_tokens = int(chunk_tokens)
         self.device = torch.device(device)
         self.act = weights.norm.dtype
         self._silu = ops.get("silu", self.device)
@@ -110,6 +114,10 @@ class BatchedLlama:
         valid = torch.arange(P)[None, :] >= pad_t[:, None]
         return ids.to(self.device), pos.to(self.device), valid.to(self.device), pads
 
+    def _rows(self, cols: int) -> int:
+        """Rows one forward of ``cols`` columns takes: about ``chunk_tokens`` tokens a forward."""
+        return max(1, self.chunk_tokens // max(1, cols))
+
     # -- the verbs ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new: int, stop_ids: Sequence[int] = ()
@@ -133,9 +141,13 @@ class BatchedLlama:
                torch.empty(shape, dtype=self.act, device=self.device)) for _ in range(cfg.num_layers)]
         valid_all = torch.ones(B, S, dtype=torch.bool, device=self.device)
         valid_all[:, :P] = valid
-        h, _ = self._forward(ids, pos, 0, valid_all[:, :P], kv)
+        last = []
+        for r in range(0, B, self._rows(P)):           # the prompts' forward in row chunks (bounded activations)
+            e = min(B, r + self._rows(P))
+            h, _ = self._forward(ids[r:e], pos[r:e], 0, valid_all[r:e, :P], [(k[r:e], v[r:e]) for k, v in kv])
+            last.append(h[:, -1])
         stops = torch.tensor(sorted({int(t) for t in stop_ids}) or [-1], device=self.device)
-        nxt = self.w.lm_head.matmul(h[:, -1]).float().argmax(-1)                        # [B]
+        nxt = self.w.lm_head.matmul(torch.cat(last)).float().argmax(-1)                 # [B]
         cur = pos[:, -1] + 1                                                            # each row's next position
         picks = [nxt]
         done = torch.isin(nxt, stops)
@@ -166,6 +178,10 @@ class BatchedLlama:
         if not seqs:
             return []
         ids, pos, valid, pads = self._pad(seqs)
-        _, taps = self._forward(ids, pos, 0, valid, None, tuple(layers))
-        both = torch.cat([taps[li] for li in layers], dim=-1)                           # [B, P, nL * H]
-        return [both[b, pads[b]:] for b in range(len(seqs))]
+        out: list[torch.Tensor] = []
+        step = self._rows(int(ids.shape[1]))
+        for r in range(0, len(seqs), step):
+            _, taps = self._forward(ids[r:r + step], pos[r:r + step], 0, valid[r:r + step], None, tuple(layers))
+            both = torch.cat([taps[li] for li in layers], dim=-1)                       # [b, P, nL * H]
+            out += [both[b - r, pads[b]:] for b in range(r, min(len(seqs), r + step))]
+        return out

@@ -56,8 +56,12 @@ def test_batched_answers_and_rows_equal_the_engine(tmp_path, bpe, kind):  # noqa
     assert any(len(w) < 12 for w in want) and any(len(w) == 12 for w in want)
     gen = served.engine.runner.batched()
     assert gen.generate(prompts, 12, sorted(stops)) == want
-    # in batches of other sizes (other padding) too
+    # in batches of other sizes (other padding) too, and with the prompts' forward in row chunks
     assert gen.generate(prompts[:5], 12, sorted(stops)) + gen.generate(prompts[5:], 12, sorted(stops)) == want
+    chunked = served.engine.runner.batched()
+    chunked.chunk_tokens = 60                       # 2 rows a forward of the longest prompts
+    assert chunked._rows(max(len(p) for p in prompts)) < len(prompts)
+    assert chunked.generate(prompts, 12, sorted(stops)) == want
     # hidden rows: the engine's taps over prompt + answer
     layers = (0, 1)
     seqs = [p + w for p, w in zip(prompts, want)]
@@ -70,6 +74,8 @@ def test_batched_answers_and_rows_equal_the_engine(tmp_path, bpe, kind):  # noqa
             ref = torch.cat([served.engine.hidden_at(li) for li in layers], dim=-1)
         assert r.shape == ref.shape
         torch.testing.assert_close(r, ref, rtol=1e-4, atol=1e-4)
+    for r, c in zip(rows, chunked.hidden(seqs, layers)):
+        torch.testing.assert_close(c, r, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_requests_are_refused(tmp_path, bpe):  # noqa: F811
