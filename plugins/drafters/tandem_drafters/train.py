@@ -4,14 +4,18 @@ Two stages, both resumable, under one work folder ``OUT``:
 
 1. **data** (``OUT/data/*.pt``): prompts built offline — source files of the Python standard library and
    installed packages turned into completion, explanation and edit requests, plus chat requests — rendered with
-   the target's chat template; the target's own greedy answer is the label, and one forward of prompt + answer
-   gives its hidden rows at the drafter's layers (the runner's taps) as features. Sample ``i`` is always the
-   same prompt (seeded by ``i``), so a restart continues where the shards end; ``--workers N`` runs ``N``
-   processes, each with its own engine. One source file in 16 (by the sha1 of its path) is never used: the
-   benchmark's code prompts come from those (``held_out_file``).
-2. **train** (``OUT/ckpt/state.pt``, ``OUT/drafter/``): the drafter learns to predict, from the features of
-   the tokens before an anchor and the block ``[token at anchor, mask, ...]``, the target's next ``B - 1``
-   tokens (cross entropy through the target's frozen head, earlier positions weighted more). Every
+   the target's chat template; the target's own greedy answer is the label. ``batch > 1`` answers that many
+   prompts a forward through the runner's batched generator (``batched_of``: ``tandem_llama.batched`` for
+   Llama) and stores tokens only; ``batch == 1`` answers one prompt at a time through the serving engine and
+   also stores the features (one forward of prompt + answer: the hidden rows at the drafter's layers, the
+   runner's taps). Sample ``i`` is always the same prompt (seeded by ``i``), so a restart continues where the
+   shards end; ``--workers N`` runs ``N`` processes, each with its own engine. One source file in 16 (by the
+   sha1 of its path) is never used: the benchmark's code prompts come from those (``held_out_file``).
+2. **train** (``OUT/ckpt/state.pt``, ``OUT/drafter/``): the features of a sample whose shard holds none are
+   computed for each step's samples in one batched target forward (``Features``). The drafter learns to
+   predict, from the features of the tokens before an anchor and the block ``[token at anchor, mask, ...]``,
+   the target's next ``B - 1`` tokens (cross entropy through the target's frozen head, earlier positions
+   weighted more). Every
    ``--eval-every`` steps: the held-out loss and the chain acceptance a block would get (``tau``: 1 + the
    leading positions whose argmax is the label); every ``--checkpoint-every`` steps (and at the end, or when
    the time budget is spent) the optimizer state is saved and ``OUT/drafter`` rewritten, so a stopped run
