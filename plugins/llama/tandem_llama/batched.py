@@ -76,7 +76,8 @@ class BatchedLlama:
         qcols = torch.arange(start, end, device=self.device)
         see = valid[:, None, :] & (cols[None, None, :] <= qcols[None, :, None])       # [B, T, end]
         see = see | (cols[None, None, :] == qcols[None, :, None])                    # a pad row sees itself
-        mask = see[:, None]                                                           # [B, 1, T, end]
+        g = nh // nkv
+        mask = see.repeat(1, g, 1)[:, None]                                           # [B, 1, g*T, end]
         out: dict[int, torch.Tensor] = {}
         x = w.embed.rows(ids.reshape(-1)).to(self.act).view(B, T, -1)
         for li, lw in enumerate(w.layers):
@@ -84,7 +85,8 @@ class BatchedLlama:
             qkv = lw.qkv.matmul(h)                                                    # [B, T, q + 2kv]
             qk = qkv[..., : q_dim + kv_dim].view(B, T, nh + nkv, hd)
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
-            q = qk[:, :, :nh].transpose(1, 2)                                         # [B, nh, T, hd]
+            # grouped queries: kv head j serves q heads j*g .. j*g+g-1 -> [B, nkv, g*T, hd] (no K/V copies)
+            q = qk[:, :, :nh].reshape(B, T, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, hd)
             k = qk[:, :, nh:].transpose(1, 2)                                         # [B, nkv, T, hd]
             v = qkv[..., q_dim + kv_dim :].view(B, T, nkv, hd).transpose(1, 2)
             if kv is not None:
@@ -92,9 +94,9 @@ class BatchedLlama:
                 kc[:, :, start:end] = k
                 vc[:, :, start:end] = v
                 k, v = kc[:, :, :end], vc[:, :, :end]
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5,
-                                               enable_gqa=nh != nkv)                  # [B, nh, T, hd]
-            x = x + lw.o.matmul(a.transpose(1, 2).reshape(B, T, q_dim))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5)  # [B, nkv, g*T, hd]
+            a = a.reshape(B, nkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, q_dim)
+            x = x + lw.o.matmul(a)
             h = F.rms_norm(x, hsize, lw.mlp_norm, eps)
             gu = lw.gate_up.matmul(h)
             inter = cfg.intermediate_size
