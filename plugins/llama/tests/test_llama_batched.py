@@ -1,6 +1,6 @@
 """``BatchedLlama`` (many sequences a forward, for the drafter trainer): on tiny checkpoints in fp32 on the CPU,
 a dozen prompts of different lengths answered in one batch equal the batch-1 engine's greedy answers token for
-token (stops included), and its hidden rows equal the engine's taps."""
+token (stops included), and its hidden rows equal the engine's taps; on the real default model too."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from test_llama_default_model import smollm2_path  # noqa: F401  (session fixture: the pulled GGUF)
 from test_llama_tiny import _hf_model, _serve, bpe, write_gguf  # noqa: F401  (bpe: fixture)
 
 from tandem_core.spec.loop import Decode, DecodeRequest
@@ -88,3 +89,21 @@ def test_bad_requests_are_refused(tmp_path, bpe):  # noqa: F811
         gen.generate([[1, 2], []], 4)
     with pytest.raises(ValueError, match="positions"):
         gen.generate([[1] * 250], 10)
+
+
+def test_batched_answers_equal_the_engine_on_the_default_model(smollm2_path):  # noqa: F811
+    """The real default model (SmolLM2-135M-Instruct, Q4_1, fp32 on the CPU): chat prompts of different lengths
+    answered in one batch equal the engine's greedy answers token for token."""
+    from tandem_llama.serving import serve
+
+    from tandem_core.server.template import render_chat
+    from tandem_core.serving import ServeArgs, ServeContext
+
+    served = serve(ServeArgs(model_id="smollm2-135m", path=smollm2_path, max_context=256, options={}),
+                   ServeContext())
+    texts = ["What is the capital of France?", "Write a haiku about rain.",
+             "Explain what a Python list comprehension is, in one sentence.", "Hi"]
+    prompts = [served.tokenizer.encode(render_chat(served, [{"role": "user", "content": t}])) for t in texts]
+    stops = frozenset(served.stop_ids)
+    want = [_engine_answer(served, p, 16, stops) for p in prompts]
+    assert served.engine.runner.batched().generate(prompts, 16, sorted(stops)) == want
