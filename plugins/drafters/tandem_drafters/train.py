@@ -453,7 +453,7 @@ class Features:
                         rows.append(torch.cat([eng.hidden_at(li) for li in self.layers], dim=-1))
                     eng.reset()
             for k, r in zip(need, rows):
-                out[k] = r.to(torch.bfloat16)
+                out[k] = r.to(torch.bfloat16, copy=True)    # a plain tensor, not an inference one
         return [f for f in out if f is not None]
 
 
