@@ -31,11 +31,13 @@
 #   the drafter back even if the machine is gone before call 3, which then needs the setup again)
 #
 # How many samples call 2 makes: ESTIMATED from the structure, not yet measured. A decode step of 256 rows of
-# SmolLM2-135M is about 650 eager kernel launches (30 layers) plus reading every row's KV (about 6 GB a step at
+# SmolLM2-135M is about 800 eager kernel launches (30 layers) plus reading every row's KV (about 6 GB a step at
 # 1000 columns), say 10-20 ms; 256 answers of up to 256 tokens then take about 3-5 s (plus the prompts' forward
 # and ~0.5 s of prompt building on the CPU), about 50-80 samples a second: 280 s should give ~14K-22K samples,
 # 70-100x the 210 the one-prompt-a-time stage made in 185 s with 8 workers. The data record in log.jsonl
 # (samples, seconds) is the measurement; raise DATA_BUDGET (or run `data` again: it resumes) for more.
+# Training then sees ~650 steps of 16 samples in 200 s (0.3 s a step in session 6, plus one batched target
+# forward a step for the features): about half an epoch of 20K samples, so the steps, not the data, limit it.
 # Batch-256 answers are bf16 and may differ from the serving engine's greedy text where two logits tie within
 # bf16 rounding (docs/speculation.md, section 7): fine for labels.
 #
