@@ -10,19 +10,36 @@
 #   setup    (device) tools/gpu_session.sh setup: the carried wheels (.whl/) and TandemLLM into /tmp/site
 #   model    (device) the GGUF into $TANDEM_HOME/models/smollm2-135m/: `tandem pull` when the hub answers, else the
 #            stashed parts joined; its sha256 checked against the registry's
-#   data     tandem train-drafter --stage data on cuda, $WORKERS processes, for $DATA_BUDGET seconds at most
-#   train    tandem train-drafter --stage train on cuda, for $TRAIN_BUDGET seconds at most (resumes)
+#   data     tandem train-drafter --stage data on cuda: $BATCH prompts a forward (0: auto, 256 on CUDA) through the
+#            Llama runner's batched generator, $WORKERS process(es), for $DATA_BUDGET seconds at most; the shards
+#            hold tokens only (the train stage computes the features)
+#   train    tandem train-drafter --stage train on cuda, for $TRAIN_BUDGET seconds at most (resumes); each step's
+#            features come from one batched forward of the target
 #   bench    tools/bench_block_drafter.py on cuda (held-out code, agent and chat prompts): $OUT/block-drafter.md
 #   collect  the drafter (config.json, model.safetensors), log.jsonl, the registry snippet (size, sha256) to $OUT
 #
 # Every stage resumes: a second call continues the shards and the training from their last checkpoint (the work
-# folder, /tmp/tandem-block/work, stays while the machine is warm). The default budgets fit one 10-minute call:
+# folder, /tmp/tandem-block/work, stays while the machine is warm). The default budgets fit data and training in
+# one 10-minute call, the benchmark in the next:
 #
 #   call 1: carry [.smol/part-aa, .smol/part-ab]        command: tools/train_block_drafter_gpu.sh stash
 #   call 2: carry [.smol/part-ac, .smol/part-ad, .whl]  command: tools/train_block_drafter_gpu.sh stash setup \
-#                                                                model data train bench collect
+#                                                                model data train collect
+#   call 3: (nothing carried)                           command: tools/train_block_drafter_gpu.sh bench collect
 #   (30 MiB parts: 2 x 30 MiB + the 2.4 MB tree, then 30 + 4 + 26 MB of wheels + the tree, each under 64 MiB;
-#   call 2 runs about 9 minutes: setup ~40 s, data 170 s + loads, train 170 s + load, bench ~100 s)
+#   call 2 runs about 9.5 minutes: setup ~40 s, data 280 s + the load, train 200 s + the load; collect brings
+#   the drafter back even if the machine is gone before call 3, which then needs the setup again)
+#
+# How many samples call 2 makes: ESTIMATED from the structure, not yet measured. A decode step of 256 rows of
+# SmolLM2-135M is about 800 eager kernel launches (30 layers) plus reading every row's KV (about 6 GB a step at
+# 1000 columns), say 10-20 ms; 256 answers of up to 256 tokens then take about 3-5 s (plus the prompts' forward
+# and ~0.5 s of prompt building on the CPU), about 50-80 samples a second: 280 s should give ~14K-22K samples,
+# 70-100x the 210 the one-prompt-a-time stage made in 185 s with 8 workers. The data record in log.jsonl
+# (samples, seconds) is the measurement; raise DATA_BUDGET (or run `data` again: it resumes) for more.
+# Training then sees ~650 steps of 16 samples in 200 s (0.3 s a step in session 6, plus one batched target
+# forward a step for the features): about half an epoch of 20K samples, so the steps, not the data, limit it.
+# Batch-256 answers are bf16 and may differ from the serving engine's greedy text where two logits tie within
+# bf16 rounding (docs/speculation.md, section 7): fine for labels.
 #
 # Shipping the result (here, after the run): copy $OUT/drafter-config.json and $OUT/drafter-model.safetensors to
 # tandem_core/shipped/models/smollm2-135m/drafters/block/config.json and .../model.safetensors, paste
@@ -41,10 +58,11 @@ PARTS_SRC=${PARTS_SRC:-.smol}   # where split writes the parts and stash reads t
 MODEL=smollm2-135m
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 DEVICE=${DEVICE:-cuda}           # cpu: the same flow on the CPU (a smoke test, tiny budgets)
-WORKERS=${WORKERS:-8}
-SAMPLES=${SAMPLES:-6000}
-DATA_BUDGET=${DATA_BUDGET:-170}
-TRAIN_BUDGET=${TRAIN_BUDGET:-170}
+WORKERS=${WORKERS:-1}            # processes answering prompts (1: one batched generator owns the GPU)
+BATCH=${BATCH:-0}                # prompts a forward; 0: auto (256 on CUDA, 8 on the CPU); 1: the old one-at-a-time path
+SAMPLES=${SAMPLES:-40000}        # an upper bound: the budget stops the stage first
+DATA_BUDGET=${DATA_BUDGET:-280}
+TRAIN_BUDGET=${TRAIN_BUDGET:-200}
 STEPS=${STEPS:-8000}
 BENCH_PROMPTS=${BENCH_PROMPTS:-6}
 MAX_NEW=${MAX_NEW:-256}
@@ -91,7 +109,7 @@ model() {
 
 data() {
     timeout $(( DATA_BUDGET + SLACK )) tandem train-drafter --model "$MODEL" -o "$WORK" --device "$DEVICE" --stage data \
-        --samples "$SAMPLES" --max-new "$MAX_NEW" --max-prompt "$MAX_PROMPT" --workers "$WORKERS" --data-budget "$DATA_BUDGET" \
+        --samples "$SAMPLES" --max-new "$MAX_NEW" --max-prompt "$MAX_PROMPT" --workers "$WORKERS" --batch "$BATCH" --data-budget "$DATA_BUDGET" \
         2>&1 | grep -v '^\s*$' | tail -20
 }
 

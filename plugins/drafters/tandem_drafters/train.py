@@ -4,14 +4,18 @@ Two stages, both resumable, under one work folder ``OUT``:
 
 1. **data** (``OUT/data/*.pt``): prompts built offline — source files of the Python standard library and
    installed packages turned into completion, explanation and edit requests, plus chat requests — rendered with
-   the target's chat template; the target's own greedy answer is the label, and one forward of prompt + answer
-   gives its hidden rows at the drafter's layers (the runner's taps) as features. Sample ``i`` is always the
-   same prompt (seeded by ``i``), so a restart continues where the shards end; ``--workers N`` runs ``N``
-   processes, each with its own engine. One source file in 16 (by the sha1 of its path) is never used: the
-   benchmark's code prompts come from those (``held_out_file``).
-2. **train** (``OUT/ckpt/state.pt``, ``OUT/drafter/``): the drafter learns to predict, from the features of
-   the tokens before an anchor and the block ``[token at anchor, mask, ...]``, the target's next ``B - 1``
-   tokens (cross entropy through the target's frozen head, earlier positions weighted more). Every
+   the target's chat template; the target's own greedy answer is the label. ``batch > 1`` answers that many
+   prompts a forward through the runner's batched generator (``batched_of``: ``tandem_llama.batched`` for
+   Llama) and stores tokens only; ``batch == 1`` answers one prompt at a time through the serving engine and
+   also stores the features (one forward of prompt + answer: the hidden rows at the drafter's layers, the
+   runner's taps). Sample ``i`` is always the same prompt (seeded by ``i``), so a restart continues where the
+   shards end; ``--workers N`` runs ``N`` processes, each with its own engine. One source file in 16 (by the
+   sha1 of its path) is never used: the benchmark's code prompts come from those (``held_out_file``).
+2. **train** (``OUT/ckpt/state.pt``, ``OUT/drafter/``): the features of a sample whose shard holds none are
+   computed for each step's samples in one batched target forward (``Features``). The drafter learns to
+   predict, from the features of the tokens before an anchor and the block ``[token at anchor, mask, ...]``,
+   the target's next ``B - 1`` tokens (cross entropy through the target's frozen head, earlier positions
+   weighted more). Every
    ``--eval-every`` steps: the held-out loss and the chain acceptance a block would get (``tau``: 1 + the
    leading positions whose argmax is the label); every ``--checkpoint-every`` steps (and at the end, or when
    the time budget is spent) the optimizer state is saved and ``OUT/drafter`` rewritten, so a stopped run
@@ -160,6 +164,7 @@ class DataOptions:
     sources: tuple[str, ...] = ()
     time_budget: float = 0.0        # seconds; 0: none
     shard_every: int = 32
+    batch: int = 1                  # prompts answered a forward (>1: the runner's batched generator)
 
 
 class _NoText:
@@ -223,6 +228,36 @@ def _gen_worker(spec: dict[str, Any], served: Any = None) -> int:
         pending = []
 
     bar = _bar(len([i for i in range(w, o.samples, n) if i not in done]), f"data w{w}", spec.get("bar", True))
+    if o.batch > 1:
+        gen = batched_of(eng)
+        if gen is None:
+            raise ValueError(f"{served.model_id}: its engine has no batched generator (use --batch 1)")
+        todo = iter([i for i in range(w, o.samples, n) if i not in done])
+        while time.monotonic() <= deadline:
+            group: list[tuple[int, str, list[int]]] = []
+            for i in todo:
+                req = make_request(i, files, o.seed)
+                bar.update(1)
+                if req is None:
+                    continue
+                ids = served.tokenizer.encode(render_chat(served, [{"role": "user", "content": req[1]}]))
+                if 2 <= len(ids) <= o.max_prompt:
+                    group.append((i, req[0], ids))
+                if len(group) >= o.batch:
+                    break
+            if not group:
+                break
+            answers = gen.generate([g[2] for g in group], o.max_new, sorted(served.stop_ids))
+            for (i, kind, ids), ans in zip(group, answers):
+                if len(ans) >= 2:
+                    pending.append({"i": i, "kind": kind, "tokens": torch.tensor([*ids, *ans], dtype=torch.int32),
+                                    "prompt_len": len(ids)})
+                    wrote += 1
+            if len(pending) >= o.shard_every:
+                flush()
+        flush()
+        bar.close()
+        return wrote
     for i in range(w, o.samples, n):
         if i in done:
             continue
@@ -257,6 +292,20 @@ def _gen_worker(spec: dict[str, Any], served: Any = None) -> int:
     return wrote
 
 
+def batched_of(engine: Any) -> Any:
+    """The engine's batched generator (``generate(prompts, max_new, stop_ids)`` and ``hidden(seqs, layers)``:
+    ``tandem_llama.batched.BatchedLlama`` for the Llama runner), or None when its runner has none."""
+    make = getattr(getattr(engine, "runner", None), "batched", None)
+    return make() if callable(make) else None
+
+
+def auto_batch(engine: Any, device: str) -> int:
+    """``--batch 0``: 256 prompts a forward on CUDA, 8 on the CPU, 1 when the runner has no batched generator."""
+    if getattr(getattr(engine, "runner", None), "batched", None) is None:
+        return 1
+    return 256 if device.startswith("cuda") else 8
+
+
 def _bar(total: int, what: str, enabled: bool = True) -> Any:
     from tqdm import tqdm
 
@@ -284,7 +333,7 @@ def generate(o: DataOptions, log: Any = None, served: Any = None) -> dict[str, A
             wrote = sum(pool.map(_gen_worker, specs))
     have = done_indices(data)
     rec = {"stage": "data", "samples": len(have), "new": wrote, "seconds": round(time.monotonic() - t0, 1),
-           "files": len(files), "workers": o.workers}
+           "files": len(files), "workers": o.workers, "batch": o.batch}
     if log is not None:
         log(rec)
     return rec
@@ -314,6 +363,7 @@ class TrainOptions:
     fresh: bool = False
     gamma: float = 7.0
     bar: bool = True
+    eval_samples: int = 256         # held-out samples an evaluation reads at most (the first by index)
 
 
 def load_samples(out: Path) -> list[dict[str, Any]]:
@@ -374,6 +424,39 @@ class _Batch:
         self.labels = labels.to(device)                                              # [nb, B - 1]
 
 
+class Features:
+    """The target's hidden rows at the drafter's layers (the runner's taps, concatenated), for the samples whose
+    shard holds none: the batched data stage writes tokens only (a sample's rows are ``len x layers x H``: 20K
+    samples of 500 tokens would be ~46 GB in bf16), so the train stage computes them for each step's samples,
+    in one batched forward of the target where its runner has a batched generator, else one engine forward a
+    sample. Rows are rounded to bf16, as the shards of the batch-1 data stage store them."""
+
+    def __init__(self, engine: Any, layers: Sequence[int]) -> None:
+        self.engine, self.layers = engine, tuple(int(x) for x in layers)
+        self.gen = batched_of(engine)
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [s.get("feats") for s in samples]
+        need = [k for k, f in enumerate(out) if f is None]
+        if need:
+            seqs = [[int(t) for t in samples[k]["tokens"]] for k in need]
+            if self.gen is not None:
+                rows = self.gen.hidden(seqs, self.layers)
+            else:
+                eng = self.engine
+                eng.tap(self.layers)
+                rows = []
+                with torch.inference_mode():
+                    for seq in seqs:
+                        eng.reset()
+                        eng.forward(seq)
+                        rows.append(torch.cat([eng.hidden_at(li) for li in self.layers], dim=-1))
+                    eng.reset()
+            for k, r in zip(need, rows):
+                out[k] = r.to(torch.bfloat16, copy=True)    # a plain tensor, not an inference one
+        return [f for f in out if f is not None]
+
+
 class Trainer:
     def __init__(self, served: Any, cfg: BlockConfig, o: TrainOptions) -> None:
         self.o, self.cfg = o, cfg
@@ -382,6 +465,7 @@ class Trainer:
         if parts is None:
             raise ValueError("the target lends no embedding and head (its runner has no parts())")
         self.parts = parts
+        self.features = Features(served.engine, cfg.target_layer_ids)
         H = cfg.hidden_size
         with torch.no_grad():
             eye = torch.eye(H, device=parts.device, dtype=parts.dtype)
@@ -436,10 +520,14 @@ class Trainer:
             x = self.parts.embed(ids.to(self.parts.device)).clone()
         return x.to(self.device, torch.float32) * self.cfg.embed_scale
 
-    def losses(self, s: dict[str, Any], anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(sum of weighted losses, sum of weights, tau per block)`` of one sample's blocks."""
+    def losses(self, s: dict[str, Any], anchors: list[int], feats: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sum of weighted losses, sum of weights, tau per block)`` of one sample's blocks (``feats``: its
+        hidden rows, default the shard's or ``Features``')."""
         b = _Batch(s, anchors, self.cfg.block_size, self.cfg.mask_token_id, self.device)
-        feats = s["feats"].to(self.device, torch.float32)
+        if feats is None:
+            feats = self.features([s])[0]
+        feats = feats.to(self.device, torch.float32)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             ctx = self.model.context(feats)
             kv = self.model.context_kv(ctx, torch.arange(b.T, device=self.device))
@@ -471,15 +559,18 @@ class Trainer:
         tot = wsum = 0.0
         taus: list[torch.Tensor] = []
         self.model.eval()
+        held = list(held)[: max(1, self.o.eval_samples)]
         with torch.no_grad():
-            for s in held:
-                a = self.anchors(s, rng, self.o.anchors)
-                if not a:
-                    continue
-                loss, w, tau = self.losses(s, a)
-                tot += float(loss)
-                wsum += float(w)
-                taus.append(tau)
+            for c in range(0, len(held), 32):
+                chunk = held[c:c + 32]
+                for s, f in zip(chunk, self.features(chunk)):
+                    a = self.anchors(s, rng, self.o.anchors)
+                    if not a:
+                        continue
+                    loss, w, tau = self.losses(s, a, f)
+                    tot += float(loss)
+                    wsum += float(w)
+                    taus.append(tau)
         self.model.train()
         t = torch.cat(taus) if taus else torch.zeros(1)
         return {"held_loss": round(tot / max(wsum, 1e-9), 4), "held_tau": round(float(t.mean()), 3),
@@ -560,10 +651,11 @@ def train(o: TrainOptions, cfg: BlockConfig | None, log: Any = None, served: Any
         tr.opt.zero_grad(set_to_none=True)
         tot = torch.zeros((), device=tr.device)
         wsum = torch.zeros((), device=tr.device)
-        for s in rng.sample(train_set, min(o.samples_per_step, len(train_set))):
+        chosen = rng.sample(train_set, min(o.samples_per_step, len(train_set)))
+        for s, f in zip(chosen, tr.features(chosen)):
             a = tr.anchors(s, rng, o.anchors)
             if a:
-                loss, w, _ = tr.losses(s, a)
+                loss, w, _ = tr.losses(s, a, f)
                 tot = tot + loss
                 wsum = wsum + w
         loss = tot / wsum.clamp(min=1e-9)

@@ -31,6 +31,9 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new", type=int, default=256, help="answer tokens at most (default 256)")
     g.add_argument("--max-prompt", type=int, default=768, help="longer prompts are skipped (default 768)")
     g.add_argument("--workers", type=int, default=1, help="processes answering prompts, each with an engine")
+    g.add_argument("--batch", type=int, default=0, metavar="N",
+                   help="prompts answered at once by the target's batched generator (default: 256 on CUDA, 8 on "
+                        "the CPU; 1: one prompt at a time through the serving engine, features in the shards)")
     g.add_argument("--sources", nargs="*", default=[], metavar="DIR",
                    help="folders of Python sources (default: the standard library and the installed packages)")
     g.add_argument("--data-budget", type=float, default=0.0, metavar="SECONDS", help="stop answering after this")
@@ -62,6 +65,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     if args.samples < 1 or args.steps < 1 or args.block_size < 2 or args.layers < 1 or args.workers < 1:
         raise CliError("--samples, --steps, --layers and --workers must be positive and --block-size at least 2")
+    if args.batch < 0:
+        raise CliError(f"--batch must be 0 (auto) or positive, got {args.batch}")
     device, dtype = placement(args.device, args.dtype)
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -80,10 +85,14 @@ def run_train(args: argparse.Namespace) -> int:
     if bad:
         raise CliError(f"--target-layer-ids: layers {bad} are not among the target's {len(caps.hidden_layers)}")
     if args.stage in ("all", "data"):
+        batch = args.batch or T.auto_batch(served.engine, device)
+        if batch > 1 and T.batched_of(served.engine) is None:
+            raise CliError(f"--batch {batch}: the engine of {served.model_id} has no batched generator (use --batch 1)")
         T.generate(T.DataOptions(model=args.model, weights=args.weights, out=out, samples=args.samples,
                                  max_new=args.max_new, max_prompt=args.max_prompt, layers=layers, device=device,
                                  dtype=dtype, seed=args.seed, workers=args.workers, sources=tuple(args.sources),
-                                 time_budget=args.data_budget), log, served if args.workers <= 1 else None)
+                                 time_budget=args.data_budget, batch=batch, shard_every=max(32, batch)), log,
+                   served if args.workers <= 1 else None)
     if args.stage in ("all", "train"):
         shape = T.drafter_shape(int(caps.hidden_size), args.layers, intermediate=args.intermediate)
         cfg = T.new_config(served, served.model_id, layers, args.block_size, args.mask_token, shape)

@@ -1,6 +1,8 @@
 """``tandem train-drafter`` on a tiny Llama (CPU, a few steps): data from source files and chat prompts answered by
 the target, a held-out split, checkpoints, a resume that continues the step count, and a drafter that loads, fits
-the target and keeps speculative decoding lossless; two workers write the same samples one does."""
+the target and keeps speculative decoding lossless; two workers write the same samples one does; the batched data
+stage (``--batch 4``) writes the samples the one-prompt path writes, and the train stage's features of its
+samples equal the rows that path stores."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def test_train_resume_and_serve_the_drafter(tmp_path, tiny, capsys):
     samples = T.load_samples(out)
     assert 8 <= len(samples) <= 10 and {s["kind"] for s in samples} >= {"chat", "completion"}
     s = samples[0]
-    assert s["feats"].shape == (s["tokens"].numel(), 2 * 64) and s["prompt_len"] < s["tokens"].numel()
+    assert "feats" not in s and s["prompt_len"] < s["tokens"].numel()   # the batched stage (auto: 8 on the CPU)
     log = list(T.iter_log(out / "log.jsonl"))
     evals = [r for r in log if r["stage"] == "eval"]
     assert [r["step"] for r in evals] == [3, 6] and all(r["held_blocks"] > 0 for r in evals)
@@ -101,13 +103,42 @@ def test_two_workers_write_what_one_writes(tmp_path, tiny):
     src.mkdir()
     (src / "m.py").write_text(SOURCE)
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["--stage", "data", "--samples", "4"]
+    common = ["--stage", "data", "--samples", "4", "--batch", "1"]
     assert main([*args(tiny, one, src), *common]) == 0
     assert main([*args(tiny, two, src), *common, "--workers", "2"]) == 0
     a, b = T.load_samples(one), T.load_samples(two)
     assert [s["i"] for s in a] == [s["i"] for s in b]
     for x, y in zip(a, b):
         assert torch.equal(x["tokens"], y["tokens"])
+        assert x["feats"].shape == (x["tokens"].numel(), 2 * 64) and torch.equal(x["feats"], y["feats"])
+
+
+def test_batched_data_equals_one_prompt_at_a_time(tmp_path, tiny):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"m{i}.py").write_text(SOURCE.replace("add", f"add{i}"))
+    one, four = tmp_path / "one", tmp_path / "four"
+    common = ["--stage", "data", "--samples", "10"]
+    assert main([*args(tiny, one, src), *common, "--batch", "1"]) == 0
+    # in two calls: the second resumes from the shards the first wrote
+    assert main([*args(tiny, four, src), "--stage", "data", "--samples", "6", "--batch", "4"]) == 0
+    assert len(T.load_samples(four)) >= 4
+    assert main([*args(tiny, four, src), *common, "--batch", "4"]) == 0
+    a, b = T.load_samples(one), T.load_samples(four)
+    assert len(a) >= 8 and [s["i"] for s in a] == [s["i"] for s in b]
+    assert {s["kind"] for s in b} >= {"chat", "completion"}
+    for x, y in zip(a, b):
+        assert torch.equal(x["tokens"], y["tokens"]) and x["prompt_len"] == y["prompt_len"]
+        assert "feats" not in y
+    log = [r for r in T.iter_log(four / "log.jsonl") if r["stage"] == "data"]
+    assert [r["batch"] for r in log] == [4, 4] and log[-1]["samples"] == len(b)
+    # the train stage's features of the batched samples: the rows the one-prompt stage stored (bf16)
+    served = serve_tiny(tiny)
+    feats = T.Features(served.engine, (0, 1))(b)
+    for x, f in zip(a, feats):
+        assert f.dtype == torch.bfloat16 and f.shape == x["feats"].shape
+        torch.testing.assert_close(f.float(), x["feats"].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_bad_arguments_are_one_line(tmp_path, tiny, capsys):
@@ -116,6 +147,10 @@ def test_bad_arguments_are_one_line(tmp_path, tiny, capsys):
     err = capsys.readouterr().err
     assert "layers [7]" in err and "Traceback" not in err
     assert main(["train-drafter", "--model", str(tmp_path / "nothing"), "-o", str(tmp_path / "w")]) == 1
+    assert main(["train-drafter", "--model", str(tiny), "-o", str(tmp_path / "w"), "--device", "cpu",
+                 "--batch", "-2"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch" in err and "Traceback" not in err
 
 
 def test_held_out_files_are_never_prompts():

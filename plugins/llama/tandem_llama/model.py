@@ -256,6 +256,13 @@ class LlamaRunner:
                            head=lambda h: w.lm_head.matmul(h.to(self.act)).float(),
                            device=str(self.device), dtype=self.act)
 
+    def batched(self) -> Any:
+        """A ``tandem_llama.batched.BatchedLlama`` over these weights: many sequences a forward, for bulk work
+        off the serving path (the drafter trainer's answers and hidden rows)."""
+        from tandem_llama.batched import BatchedLlama
+
+        return BatchedLlama(self.cfg, self.w, str(self.device))
+
     def reset(self) -> None:
         """No sections to zero; K/V rows past the length are never read."""
         self._tree_kv = []
