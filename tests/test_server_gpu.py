@@ -200,7 +200,7 @@ def test_a_client_that_leaves_is_cancelled_on_the_device(qwen_gpu):
 def test_the_llama_family_serves_on_the_device_with_grammars_and_its_self_check(tmp_path, bpe):  # noqa: F811
     path = write_gguf(tmp_path / "tiny.gguf", _hf_model(False, seed=3, max_position_embeddings=2048), bpe, "Q8_0")
     srv = _ready(Server(path, tmp_path / "home", "--device", "cuda", "--spec", "lookup", "--max-tree", "8",
-                        "--max-context", "2048", env=ENV))
+                        "--max-context", "2048", env={**ENV, "TANDEM_LLAMA_CUDA_RUNNER": "1"}))
     try:
         h = httpx.get(srv.url + "/health").json()
         assert h["engine"]["device"].startswith("cuda") and h["engine"]["dtype"] == "bf16"

@@ -63,6 +63,15 @@ tandem_settings = settings_hook(
         arithmetic=True,
     ),
     Setting(
+        "LLAMA_CUDA_RUNNER",
+        False,
+        "tandem_llama.serving",
+        "on CUDA, serve with LlamaCudaRunner (decode and verify as CUDA graphs); off: the eager runner. Off by "
+        "default until the runner has passed its conformance suite and self-check on a GPU",
+        bool,
+        arithmetic=True,
+    ),
+    Setting(
         "LLAMA_PREFILL_CHUNK",
         512,
         "tandem_llama.serving",

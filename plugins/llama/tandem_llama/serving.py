@@ -39,13 +39,19 @@ from tandem_llama.weights import LlamaWeights, load_gguf, load_hf, on_device
 __all__ = ["build_engine", "make_runner", "resolve_path", "serve"]
 
 
-def make_runner(cfg: LlamaConfig, weights: LlamaWeights, *, graphs: bool = True, **kw: Any) -> LlamaRunner:
+def make_runner(cfg: LlamaConfig, weights: LlamaWeights, *, graphs: bool = True, cuda_runner: bool | None = None,
+                **kw: Any) -> LlamaRunner:
     """The runner for where the weights are: ``LlamaCudaRunner`` (CUDA graphs unless ``graphs`` is off) on a CUDA
-    device whose weights its kernels read, else the eager ``LlamaRunner`` (the CPU's, and the reference).
+    device whose weights its kernels read when ``cuda_runner`` (default: the ``LLAMA_CUDA_RUNNER`` setting, off
+    until the runner is proven on a GPU), else the eager ``LlamaRunner`` (the CPU's, and the reference).
     ``kw``: the runners' own arguments (``max_context``, ``prefill_chunk``, ``max_tree``, ``device``)."""
+    from tandem_core.settings import SETTINGS
     from tandem_llama.cuda_runner import unsupported
 
-    if torch.device(kw.get("device", "cpu")).type == "cuda" and unsupported(cfg, weights) is None:
+    if cuda_runner is None:
+        cuda_runner = bool(SETTINGS.get("LLAMA_CUDA_RUNNER"))
+    if (cuda_runner and torch.device(kw.get("device", "cpu")).type == "cuda"
+            and unsupported(cfg, weights) is None):
         from tandem_llama.cuda_runner import LlamaCudaRunner
 
         return LlamaCudaRunner(cfg, weights, graphs=graphs, **kw)

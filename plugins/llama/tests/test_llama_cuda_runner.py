@@ -247,8 +247,10 @@ class TestLlamaCudaGraphRunner(RunnerContract):
         traced = eng.trace_tree(tokens, parents)                 # capture: the step run without its graph
         assert torch.equal(traced.logits, replayed)
 
-    def test_serving_chooses_the_graph_runner_on_cuda(self, gguf_path):  # noqa: F811
+    def test_serving_chooses_the_graph_runner_on_cuda(self, gguf_path, monkeypatch):  # noqa: F811
         from tandem_llama.cuda_runner import LlamaCudaRunner
+
+        monkeypatch.setenv("TANDEM_LLAMA_CUDA_RUNNER", "1")
         from tandem_llama.serving import serve
 
         from tandem_core.serving import ServeArgs, ServeContext
