@@ -41,7 +41,7 @@ import torch
 from tandem_core.engine.base import Manifest, MemoryPart
 from tandem_core.state import View
 
-__all__ = ["Step", "TreeStep", "Rows", "RunnerSpec", "Runner", "Capture", "LogitRows"]
+__all__ = ["Step", "TreeStep", "Rows", "RunnerSpec", "Runner", "Capture", "LogitRows", "widths_up_to"]
 
 Capture = list[tuple[str, torch.Tensor]]
 """(point name, hidden rows ``[T, H]``) in forward order, appended after every layer's mixer and
@@ -196,3 +196,14 @@ class Runner(Protocol):
     def memory_parts(self) -> list[MemoryPart]:
         """Every buffer and weight the runner holds, by part and device."""
         ...
+
+
+def widths_up_to(widths: Sequence[int], max_tree: int) -> tuple[int, ...]:
+    """The verify widths a graph runner captures for trees of up to ``max_tree`` nodes: ``widths`` (ascending)
+    up to the first that holds ``max_tree`` (all of them when none does)."""
+    out = []
+    for w in widths:
+        out.append(int(w))
+        if w >= max_tree:
+            break
+    return tuple(out)

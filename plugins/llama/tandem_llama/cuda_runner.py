@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, Step, TreeStep, tensor_bytes
+from tandem_core.engine.runner import widths_up_to
 from tandem_llama.config import LlamaConfig
 from tandem_llama.model import HEAD_BLOCK_BYTES, LlamaRunner, rope_rows
 from tandem_llama.weights import LlamaWeights
@@ -83,12 +84,7 @@ def runner_widths(max_tree: int) -> tuple[int, ...]:
     """``WIDTHS`` up to the first that holds ``max_tree`` (at most 128, the row-invariant matmul's rows)."""
     if not 1 <= max_tree <= WIDTHS[-1]:
         raise ValueError(f"max_tree must be in 1..{WIDTHS[-1]}, got {max_tree}")
-    out = []
-    for w in WIDTHS:
-        out.append(w)
-        if w >= max_tree:
-            break
-    return tuple(out)
+    return widths_up_to(WIDTHS, max_tree)
 
 
 def tree_tables(parents: Sequence[int]) -> tuple[list[int], list[list[int]]]:

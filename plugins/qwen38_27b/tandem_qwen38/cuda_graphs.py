@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tandem_core.engine.runner import widths_up_to
 from tandem_qwen38.config import Qwen38Config
 
 __all__ = ["WIDTHS", "GdnW", "AttnW", "LayerW", "FusedWeights", "fuse_weights", "CudaRunner", "tree_tables",
@@ -172,14 +173,8 @@ def unsupported(cfg: Qwen38Config, weights: Any) -> str | None:
 
 
 def runner_widths(max_tree: int) -> tuple[int, ...]:
-    """The verify widths to capture for trees of up to ``max_tree`` nodes: ``WIDTHS`` up to the first one
-    that holds ``max_tree`` (at most the widest, 128)."""
-    out = []
-    for w in WIDTHS:
-        out.append(w)
-        if w >= max_tree:
-            break
-    return tuple(out)
+    """``WIDTHS`` up to the first that holds ``max_tree`` (``tandem_core.engine.runner.widths_up_to``)."""
+    return widths_up_to(WIDTHS, max_tree)
 
 
 class PathRows(NamedTuple):
