@@ -207,6 +207,7 @@ def test_ledger_rows_have_the_tokens_and_the_cost(proxy, fixed):
 
 def test_slow_and_down_backends_fail_alone(proxy):
     c = _client(proxy)
+    seen = _ids(proxy.ledger)
     with pytest.raises(openai.APIStatusError) as down:
         c.chat.completions.create(model="down-model", messages=_ask())
     assert down.value.status_code == 502 and "backend down" in down.value.message
@@ -227,9 +228,9 @@ def test_slow_and_down_backends_fail_alone(proxy):
     t.join(30)
     assert local.choices[0].finish_reason in ("length", "stop")
     assert done["status"] == 504 and "backend slow" in done["message"] and done["s"] < 2.5
-    rows = ledger_rows(proxy.ledger)
-    assert {r.status for r in rows if r.backend == "down"} == {502}
-    assert {r.status for r in rows if r.backend == "slow"} == {504}
+    # each row is written once its answer has gone out: wait for it
+    assert _row(proxy.ledger, lambda r: r.backend == "down", "the down backend's row", seen).status == 502
+    assert _row(proxy.ledger, lambda r: r.backend == "slow", "the slow backend's row", seen).status == 504
 
 
 def test_a_client_that_goes_away_cancels_the_backends_generation(proxy, backend):
