@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tandem_core.server.parsing.events import (Content, Event, Malformed, ToolCallArgs, ToolCallBegin, ToolCallEnd,
                                               push)
+from tandem_core.server.parsing.text import TextParser
 
 from tandem_lfm25.pyliteral import QUOTES, LiteralError, StringDecoder, literal
 
@@ -124,7 +125,7 @@ def _held(buf: str, tag: str) -> int:
 _OUT, _OPEN, _NAME, _ARG, _STRING, _VALUE, _ARG_SEP, _AFTER_CALL, _CLOSE, _PASS = range(10)
 
 
-class Lfm2CallParser:
+class Lfm2CallParser(TextParser):
     """Events for one generation's text (see the module docstring). ``tools``: the request's tools (OpenAI
     form) or None; ``id_prefix``: call ids are ``call_<id_prefix>_<index>`` (random when None);
     ``keep_malformed`` False (a call a grammar forced): a malformed call's raw text is dropped, not content."""
@@ -134,11 +135,8 @@ class Lfm2CallParser:
         self._schemas = parameter_types(tools)
         self._keep_malformed = keep_malformed
         self._prefix = id_prefix if id_prefix is not None else secrets.token_hex(6)
-        self._buf = ""
-        self._done = False
+        super().__init__(Content)     # the buffer, and the content's held whitespace (TextParser._text)
         self._state = _OUT
-        self._ws = ""                 # whitespace held at the end of the content so far
-        self._lead = True             # nothing emitted since the output's start or the last marker
         self._raw: list[str] = []     # the unfinished call's text, for a malformed one
         self._bracketed = False
         self._block_calls = 0         # complete calls in the current block
@@ -156,29 +154,6 @@ class Lfm2CallParser:
         self._steps: tuple[Callable[[list[Event], bool], bool], ...] = (
             self._out, self._open, self._call_name, self._arg, self._string, self._scan_value, self._arg_sep,
             self._after_call, self._close, self._pass)
-
-    # -- public ---------------------------------------------------------------------------------
-    def feed(self, text: str) -> list[Event]:
-        """Events decided by ``text`` (and what was held before it)."""
-        if self._done:
-            raise RuntimeError("Lfm2CallParser.feed after finish")
-        out: list[Event] = []
-        if text:
-            self._buf += text
-            self._run(out, final=False)
-        return out
-
-    def finish(self) -> list[Event]:
-        """Events for what was held back; the output has ended."""
-        if self._done:
-            return []
-        out: list[Event] = []
-        self._run(out, final=True)
-        if self._ws:
-            push(out, Content(self._ws))
-            self._ws = ""
-        self._done = True
-        return out
 
     # -- machinery ----------------------------------------------------------------------------------
     def _run(self, out: list[Event], final: bool) -> None:
@@ -198,21 +173,6 @@ class Lfm2CallParser:
     def _goto(self, state: int) -> bool:
         self._state = state
         return True
-
-    def _text(self, out: list[Event], text: str) -> None:
-        """Content, its whitespace after the output's start or a marker dropped and its trailing whitespace
-        held (a marker may follow)."""
-        if self._lead:
-            text = text.lstrip()
-            if not text:
-                return
-            self._lead = False
-        body = text.rstrip()
-        if body:
-            push(out, Content(self._ws + body))
-            self._ws = text[len(body):]
-        else:
-            self._ws += text
 
     def _ended(self, final: bool) -> bool:
         """Nothing to read now: the buffer is empty, or holds what may be the start of ``CALL_END``."""

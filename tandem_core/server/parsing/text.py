@@ -10,6 +10,8 @@ dropped and its trailing whitespace held (a tag may follow, whose whitespace it 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from tandem_core.server.parsing.events import Content, Event, Reasoning, push
 
 __all__ = ["NoCalls", "TextParser", "could_be", "held"]
@@ -30,7 +32,7 @@ def could_be(buf: str, *tags: str) -> bool:
     return any(len(buf) < len(t) and t.startswith(buf) for t in tags)
 
 
-class TextParser:
+class TextParser(ABC):
     """A buffer fed in pieces; the subclass's ``_run(out, final)`` decides what it holds."""
 
     def __init__(self, kind: type[Content] | type[Reasoning] = Content) -> None:
@@ -63,8 +65,9 @@ class TextParser:
         self._done = True
         return out
 
+    @abstractmethod
     def _run(self, out: list[Event], final: bool) -> None:
-        raise NotImplementedError
+        """Emit into ``out`` what the buffer decides (``final``: the output has ended, hold nothing back)."""
 
     def _text(self, out: list[Event], text: str) -> None:
         """Section text, with the section's leading and trailing whitespace held."""
