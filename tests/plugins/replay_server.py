@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,17 +88,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def child_env(*paths: Path | str, **env: str) -> dict[str, str]:
+    """The environment of a process a test starts: this one's, ``paths`` ahead on its ``PYTHONPATH``, then
+    ``env``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, paths), os.environ.get("PYTHONPATH", "")]),
+            **env}
+
+
 class Server:
     """A ``tandem serve`` subprocess on a free loopback port; its stderr is kept for the tests to read."""
 
     def __init__(self, model_dir: Path, home: Path, *args: str, env: dict[str, str] | None = None,
-                 model: str = "replay-test") -> None:
+                 model: str = "replay-test", paths: Sequence[Path | str] = ()) -> None:
         self.port = free_port()
         self.ledger = home / "ledger.sqlite"
-        self.env = {**os.environ, "TANDEM_EXTRA_PLUGINS": "replay_plugin", "TANDEM_HOME": str(home),
-                    "TANDEM_DISABLE_ENTRYPOINTS": "1",
-                    "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                    **(env or {})}
+        self.env = child_env(*paths, PLUGINS, ROOT, **{"TANDEM_EXTRA_PLUGINS": "replay_plugin",
+                                                       "TANDEM_HOME": str(home), "TANDEM_DISABLE_ENTRYPOINTS": "1",
+                                                       **(env or {})})
         self.cmd = [sys.executable, "-m", "tandem_core.cli.main", "serve", "--weights", str(model_dir),
                     "--model", model, "--port", str(self.port), "--ledger", str(self.ledger), *args]
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

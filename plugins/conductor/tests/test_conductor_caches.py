@@ -9,7 +9,6 @@ client, against a cold server (no conductor, no caches) given the same prompts:
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import sys
@@ -71,10 +70,9 @@ def model(qwen38_ckpts, tmp_path_factory):  # noqa: F811
 
 
 def start(model_dir: Path, home: Path, *args: str) -> Server:
-    env = {"TANDEM_EXTRA_PLUGINS": "tandem_qwen38.plugin,tandem_conductor.plugin",
-           "PYTHONPATH": os.pathsep.join([str(PLUGIN_SRC), str(ROOT), str(ROOT / "plugins" / "conductor"),
-                                          os.environ.get("PYTHONPATH", "")])}
-    return Server(model_dir, home, "--spec", "off", "--max-context", "1024", *args, env=env, model="tiny")
+    env = {"TANDEM_EXTRA_PLUGINS": "tandem_qwen38.plugin,tandem_conductor.plugin"}
+    return Server(model_dir, home, "--spec", "off", "--max-context", "1024", *args, env=env, model="tiny",
+                  paths=[PLUGIN_SRC, ROOT / "plugins" / "conductor"])
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ tool-result turn keeps the class with no classifier call; the answer's usage is 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -52,11 +51,9 @@ def server(tmp_path_factory):
     path = pull(catalog.entry(MODEL).data, home=CACHE)
     root = tmp_path_factory.mktemp("cond-default")
     (root / "profile.yaml").write_text(PROFILE)
-    env = {"TANDEM_EXTRA_PLUGINS": "tandem_llama.plugin,tandem_conductor.plugin",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins" / "llama"), str(ROOT / "plugins" / "conductor"),
-                                          str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {"TANDEM_EXTRA_PLUGINS": "tandem_llama.plugin,tandem_conductor.plugin"}
     srv = Server(path, root / "home", "--spec", "off", "--conductor", str(root / "profile.yaml"), env=env,
-                 model=MODEL)
+                 model=MODEL, paths=[ROOT / "plugins" / "llama", ROOT / "plugins" / "conductor"])
     srv.root = root
     try:
         yield srv.wait_ready(180)

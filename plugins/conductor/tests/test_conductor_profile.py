@@ -5,7 +5,6 @@ against a JSON schema, the memory block cutter, status-line stripping, session k
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from tandem_conductor import profile
 from tandem_conductor.monitor import MemoryCutter, repair_arguments, repeats_at_end
 from tandem_conductor.sessions import prefix_keys, strip_status
 from tandem_core.server.conduct import ConductorError
+from replay_server import child_env  # noqa: E402  (tests/plugins is on the test path)
 
 ROOT = Path(__file__).resolve().parents[3]
 GOOD = """\
@@ -75,10 +75,8 @@ def test_yaml_that_does_not_parse_names_the_line(tmp_path):
 
 def test_tandem_serve_refuses_a_bad_profile_before_anything_loads(tmp_path):
     p = write(tmp_path, GOOD.replace("thinking_budget: 256", "thinking_budget: -1"))
-    env = {**os.environ, "TANDEM_HOME": str(tmp_path / "home"), "TANDEM_DISABLE_ENTRYPOINTS": "1",
-           "TANDEM_EXTRA_PLUGINS": "tandem_conductor.plugin",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins" / "conductor"),
-                                          os.environ.get("PYTHONPATH", "")])}
+    env = child_env(ROOT, ROOT / "plugins" / "conductor", TANDEM_HOME=str(tmp_path / "home"),
+                    TANDEM_DISABLE_ENTRYPOINTS="1", TANDEM_EXTRA_PLUGINS="tandem_conductor.plugin")
     (tmp_path / "weights").mkdir()
     (tmp_path / "weights" / "config.json").write_text(json.dumps({"architectures": ["Nothing"]}))
     t0 = time.monotonic()
@@ -140,11 +138,10 @@ def test_a_journal_that_cannot_be_written_is_refused_in_one_line(tmp_path):
 
     model = write_script_model(tmp_path / "model", [])
     p = write(tmp_path, "journal: /proc/no-such-dir/journal.jsonl\n" + GOOD)
-    env = {**os.environ, "TANDEM_HOME": str(tmp_path / "home"), "TANDEM_DISABLE_ENTRYPOINTS": "1",
-           "TANDEM_EXTRA_PLUGINS": "script_plugin,tandem_conductor.plugin",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT / "tests" / "plugins"),
-                                          str(ROOT), str(ROOT / "plugins" / "conductor"),
-                                          os.environ.get("PYTHONPATH", "")])}
+    env = child_env(Path(__file__).resolve().parent, ROOT / "tests" / "plugins", ROOT,
+                    ROOT / "plugins" / "conductor",
+                    TANDEM_HOME=str(tmp_path / "home"), TANDEM_DISABLE_ENTRYPOINTS="1",
+                    TANDEM_EXTRA_PLUGINS="script_plugin,tandem_conductor.plugin")
     r = subprocess.run([sys.executable, "-m", "tandem_core.cli.main", "serve", "--weights", str(model),
                         "--model", "script-test", "--conductor", str(p), "--port", "0"], env=env, cwd=str(ROOT),
                        capture_output=True, text=True, timeout=120)
