@@ -88,24 +88,35 @@ class Served:
     spawn: Callable[[], Engine] | None = None
 
 
+def host_memory_kinds() -> dict[str, int]:
+    """``anon``, ``file`` and ``peak`` resident bytes of this process (``/proc/self/status``; empty elsewhere)."""
+    want = {"RssAnon:": "anon", "RssFile:": "file", "VmHWM:": "peak"}
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(maxsplit=1)[0] if line.strip() else ""
+                if key in want:
+                    out[want[key]] = int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    return out
+
+
 def host_memory() -> tuple[int, int]:
     """``(resident bytes now, peak resident bytes)`` of this process. The peak is the kernel's high-water mark
-    of this process's own memory (``VmHWM``); ``ru_maxrss`` is not used where ``/proc`` answers, because Linux
-    carries the parent's high-water mark through fork and exec into it (a launcher that held gigabytes would
-    show as this process's peak)."""
+    of this process's own memory (``VmHWM``); ``ru_maxrss`` is used only where ``/proc`` does not answer,
+    because Linux carries the parent's high-water mark through fork and exec into it (a launcher that held
+    gigabytes would show as this process's peak)."""
     import resource
 
     import psutil
 
     rss = int(psutil.Process().memory_info().rss)
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return rss, int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return rss, int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    peak = host_memory_kinds().get("peak")
+    if peak is None:
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return rss, peak
 
 
 class ServeContext:

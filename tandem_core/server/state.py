@@ -32,29 +32,15 @@ from tandem_core.server.sidelane import SideJob, SideLane
 from tandem_core.server.speculation import SpecOptions, build_speculation
 from tandem_core.server.stream import Delta
 from tandem_core.server.toolformat import tool_format
-from tandem_core.serving import Served
+from tandem_core.serving import Served, host_memory_kinds
 
 __all__ = ["ServerOptions", "ServerState", "ParallelUnavailable"]
 
 log = logging.getLogger("tandem.server")
 
+
 class ParallelUnavailable(ValueError):
     """``--parallel N`` asked for more engines than the model can build (its ``spawn`` is None)."""
-
-
-def host_memory_kinds() -> dict[str, int]:
-    """``anon``, ``file`` and ``peak`` resident bytes of this process (``/proc/self/status``; empty elsewhere)."""
-    want = {"RssAnon:": "anon", "RssFile:": "file", "VmHWM:": "peak"}
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key = line.split(maxsplit=1)[0] if line.strip() else ""
-                if key in want:
-                    out[want[key]] = int(line.split()[1]) * 1024
-    except OSError:
-        return {}
-    return out
 
 
 @dataclass(frozen=True)
