@@ -33,8 +33,10 @@ The engine calls, for a sequence of ``n`` committed tokens:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, Literal, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -207,3 +209,22 @@ def widths_up_to(widths: Sequence[int], max_tree: int) -> tuple[int, ...]:
         if w >= max_tree:
             break
     return tuple(out)
+
+
+@contextlib.contextmanager
+def graph_capture(graph: Any, stream: Any, **kw: Any) -> Iterator[None]:
+    """``torch.cuda.graph(graph, stream=stream, **kw)`` with Python's garbage collector collected first and held
+    off until the capture ends. A collection during a capture can free an earlier engine's ``CUDAGraph`` (or
+    anything holding device memory), and its ``cudaGraphExecDestroy`` on the capturing thread invalidates the
+    capture ("operation not permitted when stream is capturing"): every graph runner captures through this."""
+    import torch
+
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, stream=stream, **kw):
+            yield
+    finally:
+        if was:
+            gc.enable()

@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, Step, TreeStep, tensor_bytes
-from tandem_core.engine.runner import widths_up_to
+from tandem_core.engine.runner import graph_capture, widths_up_to
 from tandem_llama.config import LlamaConfig
 from tandem_llama.model import HEAD_BLOCK_BYTES, LlamaRunner, rope_rows
 from tandem_llama.weights import LlamaWeights
@@ -402,7 +402,7 @@ class LlamaCudaRunner(LlamaRunner):
                 self._step(W)
                 g = torch.cuda.CUDAGraph()
                 # thread-local: a recapture (``tap``) may run while a sibling engine computes on another thread
-                with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
+                with graph_capture(g, stream, capture_error_mode="thread_local"):
                     self._outs[W] = self._step(W)
                 self.graphs[W] = g
         torch.cuda.current_stream(dev).wait_stream(stream)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem_core.engine.runner import widths_up_to
+from tandem_core.engine.runner import graph_capture, widths_up_to
 from tandem_qwen38.config import Qwen38Config
 
 __all__ = ["WIDTHS", "GdnW", "AttnW", "LayerW", "FusedWeights", "fuse_weights", "CudaRunner", "tree_tables",
@@ -560,7 +560,7 @@ class CudaRunner:
                 meta.upload()
                 self._step(W, meta, key == "decode")
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=stream):
+                with graph_capture(g, stream):
                     self._step(W, meta, key == "decode")
                 self.graphs[key] = g
         torch.cuda.current_stream(self.device).wait_stream(stream)
