@@ -164,3 +164,27 @@ def test_tree_attention_equals_its_reference(N, hq, hkv, D, L):
     fr.tree_attention_ref(q, raw, K, V, meta, pos, anc, None, b, hq=hq, hkv=hkv, head_dim=D, scale=D ** -0.5,
                           rows=N)
     assert rel(a, b) < 2e-2
+
+
+def test_a_capture_survives_old_graphs_left_in_reference_cycles():
+    """Earlier engines' graphs held in reference cycles are collected before the capture, never inside it (a
+    CUDAGraph destroyed on the capturing thread invalidates a thread-local capture)."""
+    import gc
+
+    from tandem_core.engine.runner import graph_capture
+
+    x = torch.ones(64, device="cuda")
+    stream = torch.cuda.Stream()
+    for _ in range(3):
+        old = torch.cuda.CUDAGraph()
+        with graph_capture(old, stream, capture_error_mode="thread_local"):
+            x.mul_(1.0)
+        cycle: list = [old]
+        cycle.append(cycle)                        # only the cyclic collector frees it
+        del old, cycle
+    g = torch.cuda.CUDAGraph()
+    with graph_capture(g, stream, capture_error_mode="thread_local"):
+        y = x * 2
+    g.replay()
+    torch.cuda.synchronize()
+    assert gc.isenabled() and torch.equal(y, x * 2)
