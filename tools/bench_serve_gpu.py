@@ -255,6 +255,10 @@ class Server:
                 return int(mib) << 20
         return sum(int(x.split(",")[1]) << 20 for x in q.splitlines() if "," in x)
 
+    def server_ttfts(self) -> list[float]:
+        """The server's own time to first token (arrival to first token), from its request log lines."""
+        return [float(m.group(1)) for line in self.lines for m in [re.search(r" ttft=([\d.]+)s", line)] if m]
+
     def decode_rates(self) -> list[float]:
         return [float(m.group(1)) for line in self.lines for m in [re.search(r"decode=([\d.]+)tok/s", line)] if m]
 
@@ -325,15 +329,34 @@ def decode_stage(srv: Server, R: Results, vocab: int, ctx: int, n: int) -> None:
     log(f"decode at {ctx}: client {client_rate:.1f} tok/s, server {server_rate:.1f} tok/s")
 
 
+def client_build_s(prompt: list[int], model: str) -> float:
+    """What the ``openai`` client spends turning the request's parameters into its body before it sends anything
+    (``maybe_transform`` walks the prompt's list element by element): a part of the client's time to first token
+    that no server can shorten."""
+    from openai._utils import maybe_transform
+    from openai.types import completion_create_params as params
+
+    t = time.perf_counter()
+    maybe_transform({"model": model, "prompt": prompt, "max_tokens": 16, "stream": True, "temperature": 0,
+                     "logit_bias": BIAS, "stream_options": {"include_usage": True}},
+                    params.CompletionCreateParamsStreaming)
+    return time.perf_counter() - t
+
+
 def ttft_stage(srv: Server, R: Results, vocab: int, lengths: list[int]) -> None:
     client, rng, got, model = srv.client(), random.Random(2), {}, srv.model
     for T in lengths:
         if time.time() - T0 > R.budget:
             R.data["skipped"].append(f"ttft {T}")
             break
-        r = stream_times(client, ids(rng, T, vocab), 16, model)
+        prompt = ids(rng, T, vocab)
+        r = stream_times(client, prompt, 16, model)
+        time.sleep(0.2)                                                       # the request's log line
+        server = srv.server_ttfts()
         got[T] = {"ttft_s": round(r.ttft, 3), "prefill_tok_s": round(T / r.ttft, 1) if r.ttft else None,
-                  "decode_ms_token_there": round(1e3 / r.rate, 2) if r.rate else None}
+                  "decode_ms_token_there": round(1e3 / r.rate, 2) if r.rate else None,
+                  "server_ttft_s": server[-1] if server else None,
+                  "client_build_s": round(client_build_s(prompt, model), 3)}
         log(f"ttft {T}: {r.ttft:.2f} s")
         R.put("ttft", got)
 
@@ -505,7 +528,8 @@ def report(D: dict[str, Any]) -> str:
         lines.append(f"| the server's own decode rate / overhead | {d['server_tok_s']} tok/s / {d['overhead_pct']} % |")
     for T, v in sorted((D.get("ttft") or {}).items(), key=lambda kv: int(kv[0])):
         lines.append(f"| time to first token, {int(T):,}-token prompt | {v['ttft_s']} s ({v['prefill_tok_s']} tok/s); "
-                     f"decode there {v['decode_ms_token_there']} ms/token |")
+                     f"server's own {v.get('server_ttft_s')} s; the openai client's request build "
+                     f"{v.get('client_build_s')} s; decode there {v['decode_ms_token_there']} ms/token |")
     for r in D.get("session") or []:
         if "cold_new_tokens_s" in r:
             lines.append(f"| session turn {r['turn']} ({r['prompt']:,} tokens, {r['new_tokens']} new) | warm "
