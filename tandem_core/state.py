@@ -18,6 +18,7 @@ refuses a snapshot whose signature differs, naming the tensor.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -54,9 +55,38 @@ def copy_to(t: torch.Tensor, device: torch.device | str | None = None, pin: bool
     page-locked memory (where CUDA is there to pin it)."""
     dev = torch.device(device) if device is not None else t.device
     if pin and dev.type == "cpu" and torch.cuda.is_available():
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t.detach())
+        return pinned_empty(t.shape, t.dtype).copy_(t.detach())
     return t.detach().to(device=dev, copy=True).contiguous()
+
+
+REGISTER_MIN_BYTES = 1 << 20     # smaller pinned copies come from torch's caching host allocator
+
+
+def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in page-locked memory of exactly its own bytes.
+
+    ``pin_memory=True`` takes blocks from torch's caching host allocator, which rounds every block up to a power
+    of two and keeps freed blocks for reuse: a 2.1 GB snapshot would hold 4 GB of locked host memory, and the
+    snapshot store's byte budget would undercount what it holds. Copies of 1 MiB and more are instead ordinary
+    allocations page-locked in place (``cudaHostRegister``), unlocked when the tensor goes (after the device's
+    queued work, so that no copy from its pages is still in flight) and given back to the system when its
+    storage is freed; where registering fails, the caching allocator's block as before."""
+    out = torch.empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if nbytes < REGISTER_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    cudart = torch.cuda.cudart()
+    ptr = out.data_ptr()
+    if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    weakref.finalize(out, _unregister, ptr)
+    return out
+
+
+def _unregister(ptr: int) -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def _sig(t: torch.Tensor, axis: int | None) -> tuple:

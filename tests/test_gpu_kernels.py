@@ -188,3 +188,24 @@ def test_a_capture_survives_old_graphs_left_in_reference_cycles():
     g.replay()
     torch.cuda.synchronize()
     assert gc.isenabled() and torch.equal(y, x * 2)
+
+
+def test_pinned_copies_lock_their_own_bytes_not_a_power_of_two():
+    """A snapshot copy of 80 MiB is page-locked in place (exact size, freed with it), not a 128 MiB block of the
+    caching host allocator."""
+    import re
+    from pathlib import Path
+
+    from tandem_core.state import copy_to
+
+    def rss() -> int:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) << 10
+
+    src = torch.randn(80 << 18, device="cuda")                   # 80 MiB of fp32
+    before = rss()
+    host = copy_to(src, "cpu", pin=True)
+    grew = rss() - before
+    assert host.is_pinned() and torch.equal(host.cuda(non_blocking=True), src)
+    assert grew < 100 << 20, f"{grew >> 20} MiB resident for an 80 MiB copy"
+    del host
+    assert rss() - before < 20 << 20                             # given back, not cached
