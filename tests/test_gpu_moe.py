@@ -100,3 +100,13 @@ def test_route_equals_the_reference(scoring, E, k, bias):
     assert float((weights - want_w).abs().max()) < 1e-5
     one_e, one_w = tm.route(logits[5:6], b, k, scoring, renorm=True, scale=2.5)
     assert torch.equal(one_e[0], experts[5]) and torch.equal(one_w[0], weights[5])
+
+
+def test_rows_past_live_run_no_expert():
+    from tandem_core.ops import triton_moe as tm
+
+    x, experts, weights, gu, dn = _case(16, 64, 1536, 2048, 4, seed=5)
+    full = tm.grouped_experts(x, experts, weights, gu, dn)
+    live = torch.tensor([10], dtype=torch.int32, device="cuda")
+    part = tm.grouped_experts(x, experts, weights, gu, dn, live=live)
+    assert torch.equal(part[:10], full[:10]) and not part[10:].any()

@@ -150,15 +150,21 @@ def _build() -> dict[str, Any]:
         tl.store(wt_ptr + t * TOPK + rank, w, mask=chosen)
 
     @triton.jit
-    def plan_kernel(exp_ptr, sorted_ptr, blk_ptr, P, MAXB,
-                    BT: tl.constexpr, BE: tl.constexpr, BQ: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr):
-        # one program. blk: [3, MAXB] int32 rows (expert or -1, first sorted pair, pairs)
+    def plan_kernel(exp_ptr, live_ptr, sorted_ptr, blk_ptr, P, MAXB,
+                    KTOP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BQ: tl.constexpr, BB: tl.constexpr,
+                    HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+        # one program. blk: [3, MAXB] int32 rows (expert or -1, first sorted pair, pairs); the pairs of rows past
+        # live[0] take no part
         pdl_wait(PDL)
+        if HAS_LIVE:
+            PL = tl.minimum(P, tl.load(live_ptr) * KTOP)
+        else:
+            PL = P
         ex = tl.arange(0, BE)
         cnt = tl.zeros((BE,), dtype=tl.int32)
-        for q0 in range(0, P, BQ):
+        for q0 in range(0, PL, BQ):
             q = q0 + tl.arange(0, BQ)
-            e = tl.load(exp_ptr + q, mask=q < P, other=BE).to(tl.int32)
+            e = tl.load(exp_ptr + q, mask=q < PL, other=BE).to(tl.int32)
             cnt += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), 0)
         nb = (cnt + BT - 1) // BT
         bend = tl.cumsum(nb, 0)                                  # blocks through expert e
@@ -167,13 +173,13 @@ def _build() -> dict[str, Any]:
         total = tl.sum(nb, 0)
         # each pair's place: its expert's start, plus the pairs of that expert before it
         run = pstart
-        for q0 in range(0, P, BQ):
+        for q0 in range(0, PL, BQ):
             q = q0 + tl.arange(0, BQ)
-            e = tl.load(exp_ptr + q, mask=q < P, other=BE).to(tl.int32)
+            e = tl.load(exp_ptr + q, mask=q < PL, other=BE).to(tl.int32)
             oh = (e[:, None] == ex[None, :]).to(tl.int32)                        # [BQ, BE]
             before = tl.cumsum(oh, 0) - oh
             at = tl.sum(oh * (before + run[None, :]), 1)
-            tl.store(sorted_ptr + at, q, mask=q < P)
+            tl.store(sorted_ptr + at, q, mask=q < PL)
             run += tl.sum(oh, 0)
         for b0 in range(0, MAXB, BB):
             b = b0 + tl.arange(0, BB)
@@ -269,13 +275,18 @@ def _build() -> dict[str, Any]:
             tl.store(d_ptrs, acc.to(tl.bfloat16), mask=n_ok[:, None] & r_ok[None, :])
 
     @triton.jit
-    def combine_kernel(d_ptr, exp_ptr, wt_ptr, out_ptr, H, stride_d, stride_o, stride_e, stride_w,
-                       KTOP: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        # one (row, column block): sum over the row's pairs in increasing (expert, slot) of weight * d, fp32
+    def combine_kernel(d_ptr, exp_ptr, wt_ptr, live_ptr, out_ptr, H, stride_d, stride_o, stride_e, stride_w,
+                       KTOP: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, HAS_LIVE: tl.constexpr,
+                       PDL: tl.constexpr):
+        # one (row, column block): sum over the row's pairs in increasing (expert, slot) of weight * d, fp32;
+        # a row past live[0]: zeros
         pdl_wait(PDL)
         t = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < H
+        if HAS_LIVE:
+            ok = offs < tl.where(t < tl.load(live_ptr), H, 0)     # a row past live: nothing read, zeros written
+        else:
+            ok = offs < H
         j = tl.arange(0, KP)
         j_ok = j < KTOP
         e = tl.load(exp_ptr + t * stride_e + j, mask=j_ok, other=2147483647).to(tl.int32)
@@ -290,7 +301,7 @@ def _build() -> dict[str, Any]:
             w = tl.sum(tl.where(at, wv, 0.0), 0)
             dv = tl.load(d_ptr + (t * KTOP + slot).to(tl.int64) * stride_d + offs, mask=ok, other=0.0)
             acc = acc + dv.to(tl.float32) * w
-        tl.store(out_ptr + t * stride_o + offs, acc.to(tl.bfloat16), mask=ok)
+        tl.store(out_ptr + t * stride_o + offs, acc.to(tl.bfloat16), mask=offs < H)
 
     return {"route": route_kernel, "plan": plan_kernel, "gate_up": gate_up_kernel, "down": down_kernel,
             "combine": combine_kernel}
@@ -328,10 +339,13 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: 
 
 
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-                    w_down: torch.Tensor, plan: MoePlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    w_down: torch.Tensor, plan: MoePlan | None = None, out: torch.Tensor | None = None,
+                    live: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. ``x: [T, H]`` bf16 (unit column stride), ``experts: [T, k]`` int32/int64 (each
     in ``0..E-1``), ``weights: [T, k]`` fp32, ``w_gate_up: [E, 2I, H]``, ``w_down: [E, H, I]`` bf16 with unit
-    column strides. ``out``: ``[T, H]`` bf16 written in place when given. Returns ``out``."""
+    column strides. ``out``: ``[T, H]`` bf16 written in place when given. ``live``: a one-element int32 device
+    tensor, the rows that count (a graph step's width past its tree): the rows from ``live[0]`` on run no expert
+    and get zeros. Returns ``out``."""
     T, H = x.shape
     k = experts.shape[1]
     E, I2, Hw = w_gate_up.shape
@@ -363,7 +377,8 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
         out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     kk, kw = kernels(), pdl.launch_kw()
     BE = max(16, _pow2(E))
-    kk["plan"][(1,)](flat, srt, blk, P, maxb, BT=p.BT, BE=BE, BQ=max(16, min(128, 8192 // BE)),
+    lv = live if live is not None else srt
+    kk["plan"][(1,)](flat, lv, srt, blk, P, maxb, KTOP=k, HAS_LIVE=live is not None, BT=p.BT, BE=BE, BQ=max(16, min(128, 8192 // BE)),
                      BB=max(16, min(32, 8192 // BE)),
                      num_warps=4, **kw)
     kk["gate_up"][(math.ceil(I / p.BN_UP), maxb)](
@@ -373,6 +388,7 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
         h, w_down, d, srt, blk, maxb, H, I, h.stride(0), w_down.stride(0), w_down.stride(1), d.stride(0),
         BT=p.BT, BN=p.BN_DOWN, BK=p.BK, EVEN_K=I % p.BK == 0, num_warps=p.warps, num_stages=p.stages, **kw)
     CB = 1024
-    kk["combine"][(T, math.ceil(H / CB))](d, ew, ww, out, H, d.stride(0), out.stride(0), ew.stride(0), ww.stride(0),
-                                          KTOP=k, KP=max(2, _pow2(k)), BLOCK=CB, num_warps=4, **kw)
+    kk["combine"][(T, math.ceil(H / CB))](d, ew, ww, lv, out, H, d.stride(0), out.stride(0), ew.stride(0),
+                                          ww.stride(0), KTOP=k, KP=max(2, _pow2(k)), BLOCK=CB,
+                                          HAS_LIVE=live is not None, num_warps=4, **kw)
     return out
