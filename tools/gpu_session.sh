@@ -6,6 +6,8 @@
 #            `tandem serve --device cuda` end to end, the side lane on the CUDA path
 #   serve    tools/bench_serve_gpu.py at the 27B shape (the checkpoint written on the machine's disk)
 #   engine   tools/bench_gpu.py engine with the shipped defaults (no tuning)
+#   lfm25    the LFM2 GPU tests (triton_moe, LfmCudaRunner, tandem serve on CUDA), then tools/bench_lfm25_gpu.py
+#            at the 24B-A2B and 8B-A1B-like shapes against transformers (budget LFM25_BUDGET, default 240 s)
 #
 # The device machine has no registry: .whl/ holds what its image lacks (fastapi, uvicorn, pydantic,
 # llguidance, gguf, openai, jsonschema, transformers 5.24.0, flash-linear-attention, ...).
@@ -21,7 +23,7 @@ setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "wheel install failed"; exit 3; }
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site \
-        . plugins/llama plugins/qwen38_27b plugins/drafters 2>&1 | tail -3
+        . plugins/llama plugins/qwen38_27b plugins/drafters plugins/lfm25 2>&1 | tail -3
     python3 -c "import torch, triton, transformers, fastapi, tandem_core, tandem_qwen38; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
     tandem plugins | head -12
     nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
@@ -45,6 +47,15 @@ engine() {
     timeout 560 python3 tools/bench_gpu.py engine --out "$OUT/engine" --no-tune --budget ${ENGINE_BUDGET:-420} \
         2>&1 | tee "$OUT/engine.log" | tail -60
     cp "$OUT/engine/engine.json" "$OUT/" 2>/dev/null
+}
+
+lfm25() {
+    timeout ${LFM25_TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
+        ${LFM25_TESTS:-tests/test_gpu_moe.py plugins/lfm25/tests/test_lfm25_gpu.py} 2>&1 \
+        | tee "$OUT/lfm25-tests.log" | tail -40
+    timeout $(( ${LFM25_BUDGET:-240} + 60 )) python3 tools/bench_lfm25_gpu.py --out "$OUT/lfm25" \
+        --budget ${LFM25_BUDGET:-240} ${LFM25_ARGS:-} 2>&1 | tee "$OUT/lfm25-bench.log" | tail -40
+    cp "$OUT/lfm25/lfm25.md" "$OUT/lfm25/lfm25.json" "$OUT/" 2>/dev/null
 }
 
 for part in "$@"; do

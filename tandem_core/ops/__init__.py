@@ -19,6 +19,8 @@ Ops (the reference's signature is the op's contract):
     rope            rotary embedding on the leading channels        (rope.py)
     attention       new rows over cached K/V under a mask           (attention.py)
     sigmoid, silu, softplus, softmax                               (act.py, CPU-width independent)
+    moe_route       a router's top-k experts and their weights     (moe.py; sigmoid or softmax scoring)
+    grouped_experts the selected experts, each once over its rows  (moe.py; a MoE family's feed-forward)
 
 Row-invariant and tree forms (speculative verify; a verified row equals the decode step's bit for bit):
 
@@ -56,6 +58,8 @@ REFERENCES: dict[str, str] = {
     "causal_conv_tree": "tandem_core.ops.conv:causal_conv_tree",
     "gdn_tree": "tandem_core.ops.gdn:gdn_tree",
     "attention_tree": "tandem_core.ops.attention:attention_tree",
+    "moe_route": "tandem_core.ops.moe:route",
+    "grouped_experts": "tandem_core.ops.moe:grouped_experts",
 }
 
 _lock = threading.Lock()

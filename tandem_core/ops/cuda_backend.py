@@ -17,6 +17,9 @@ op whatever it passes. Results equal the reference's within rounding:
     linear_rows   triton_matmul.skinny_matmul: a dense bf16 weight without bias, bf16 rows, up to 128 rows
                   a launch; the kernel's plan depends on the weight's shape only, so a row's bits do not
                   depend on the rows beside it (the op's contract), fp32 partials added in a fixed order
+    moe_route     triton_moe.route: one program a row (up to 1024 experts); the experts as int64
+    grouped_experts  triton_moe.grouped_experts: bf16 rows and stacked bf16 expert weights, the experts sorted
+                  and blocked on the device (no host sync), a plan per expert shape (row invariant)
 
 The other ops have no kernel of the same contract here: the CUDA path of an engine
 (a model plugin's CUDA runner) fuses them differently (the gates inside the recurrent
@@ -32,7 +35,8 @@ import torch
 
 from tandem_core import ops
 
-__all__ = ["DEVICE", "OPS", "gdn_chunk", "install", "linear_rows", "rms_norm_1p", "uninstall"]
+__all__ = ["DEVICE", "OPS", "gdn_chunk", "grouped_experts", "install", "linear_rows", "moe_route", "rms_norm_1p",
+           "uninstall"]
 
 DEVICE = "cuda"
 
@@ -98,8 +102,32 @@ def linear_rows(lin: Any, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str = "sigmoid",
+              renorm: bool = True, scale: float = 1.0, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's top-k (``tandem_core.ops.moe.route``): ``(experts [T, k] int64 ascending, weights [T, k] fp32)``."""
+    if logits.is_cuda and logits.dim() == 2 and 0 < logits.shape[1] <= 1024 and logits.shape[0]:
+        from tandem_core.ops import triton_moe
+
+        experts, weights = triton_moe.route(logits, bias, top_k, scoring, renorm, scale, eps)
+        return experts.long(), weights
+    return ops.reference("moe_route")(logits, bias, top_k, scoring, renorm, scale, eps)
+
+
+def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor) -> torch.Tensor:
+    """The selected experts, each once over its rows (``tandem_core.ops.moe.grouped_experts``) -> ``[T, H]``."""
+    fits = (x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and
+            all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in (x, w_gate_up, w_down)))
+    if fits:
+        from tandem_core.ops import triton_moe
+
+        return triton_moe.grouped_experts(x, experts, weights.float(), w_gate_up, w_down)
+    return ops.reference("grouped_experts")(x, experts, weights, w_gate_up, w_down)
+
+
 OPS: dict[str, Callable[..., Any]] = {"gdn_chunk": gdn_chunk, "rms_norm_1p": rms_norm_1p,
-                                      "linear_rows": linear_rows}
+                                      "linear_rows": linear_rows, "moe_route": moe_route,
+                                      "grouped_experts": grouped_experts}
 
 
 def install() -> None:

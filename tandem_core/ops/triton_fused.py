@@ -180,10 +180,11 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def qk_post_kernel(raw_ptr, qn_ptr, kn_ptr, freq_ptr, pos_ptr, meta_ptr, q_out_ptr, K_ptr, V_ptr,
                        stride_raw, stride_qo_r, stride_kh, stride_ks, HQ, HKV, eps,
-                       D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, QS: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         # one (row j, head): heads 0..HQ-1 queries, HQ..HQ+HKV-1 keys, then HKV values.
-        # raw row: [q_0 | gate_0 | q_1 | gate_1 | ... | k (HKV*D) | v (HKV*D)]
+        # raw row (QS = 2, gated): [q_0 | gate_0 | q_1 | gate_1 | ... | k (HKV*D) | v (HKV*D)];
+        # QS = 1 (no output gate): [q_0 | q_1 | ... | k | v]
         j = tl.program_id(0)
         h = tl.program_id(1)
         L = tl.load(meta_ptr)
@@ -194,7 +195,7 @@ def _build() -> dict[str, Any]:
             slot = L + j
             if h < HQ + HKV:
                 is_q = h < HQ
-                base = tl.where(is_q, h * 2 * D, HQ * 2 * D + (h - HQ) * D)
+                base = tl.where(is_q, h * QS * D, HQ * QS * D + (h - HQ) * D)
                 x = tl.load(raw_ptr + j * stride_raw + base + offs, mask=ok, other=0.0).to(tl.float32)
                 partner = tl.where(offs < R // 2, offs + R // 2, tl.where(offs < R, offs - R // 2, offs))
                 xp = tl.load(raw_ptr + j * stride_raw + base + partner, mask=ok, other=0.0).to(tl.float32)
@@ -218,7 +219,7 @@ def _build() -> dict[str, Any]:
                     tl.store(K_ptr + (h - HQ) * stride_kh + slot * stride_ks + offs, y, mask=ok)
             else:
                 hv = h - HQ - HKV
-                v = tl.load(raw_ptr + j * stride_raw + HQ * 2 * D + HKV * D + hv * D + offs, mask=ok, other=0.0)
+                v = tl.load(raw_ptr + j * stride_raw + HQ * QS * D + HKV * D + hv * D + offs, mask=ok, other=0.0)
                 tl.store(V_ptr + hv * stride_kh + slot * stride_ks + offs, v, mask=ok)
 
     @triton.jit
@@ -330,12 +331,16 @@ def conv_commit(tails: torch.Tensor, keep: torch.Tensor, path: torch.Tensor, d: 
 
 def qk_post(raw: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, freqs: torch.Tensor, pos: torch.Tensor,
             meta: torch.Tensor, q_out: torch.Tensor, K: torch.Tensor, V: torch.Tensor, hq: int, hkv: int,
-            head_dim: int, rotary_dim: int, eps: float, rows: int) -> None:
+            head_dim: int, rotary_dim: int, eps: float, rows: int, gated: bool = True) -> None:
     """Rows ``j < meta[1]``: q -> bf16(rope(norm(q))) into ``q_out [rows, Hq*D]``; k likewise and v raw into the
-    cache ``K, V: [Hkv, S, D]`` at slot ``meta[0] + j``. ``pos: [rows]`` int32 positions; ``freqs: [R/2]``."""
+    cache ``K, V: [Hkv, S, D]`` at slot ``meta[0] + j``. ``pos: [rows]`` int32 positions; ``freqs: [R/2]``.
+    ``gated``: each query head is followed by its output gate in ``raw`` (Qwen's gated attention); else the
+    query heads are side by side (Llama, LFM2). The norm is ``x / rms(x) * (1 + w)``: a plain weight is passed as
+    ``w - 1``."""
     kernels()["qk_post"][(rows, hq + 2 * hkv)](raw, q_norm, k_norm, freqs, pos, meta, q_out, K, V, raw.stride(0),
                                                q_out.stride(0), K.stride(0), K.stride(1), hq, hkv, float(eps),
-                                               D=head_dim, R=rotary_dim, BLOCK=next_pow2(head_dim), num_warps=2, **pdl.launch_kw())
+                                               D=head_dim, R=rotary_dim, BLOCK=next_pow2(head_dim), QS=2 if gated else 1,
+                                               num_warps=2, **pdl.launch_kw())
 
 
 def kv_commit(K: torch.Tensor, V: torch.Tensor, meta: torch.Tensor, path: torch.Tensor, d: torch.Tensor) -> None:

@@ -30,6 +30,10 @@ SETTINGS_DECLARED = (
             "tokens at a time; the result equals one full forward within fp32 rounding); 0: by device, 512 on "
             "the CPU, 8192 on CUDA",
             int, arithmetic=True),
+    Setting("LFM25_CUDA_RUNNER", True, "tandem_lfm25.serving",
+            "on CUDA with bf16 weights and Triton, serve with LfmCudaRunner (decode and verify as CUDA graphs, the "
+            "Triton kernels); off: the reference runner there too",
+            bool, arithmetic=True),
 )
 
 

@@ -11,8 +11,13 @@ plugin registers (``tandem_lfm25.toolformat.Lfm2Pythonic``: the parser in ``tool
 a forced call, the prompt text).
 
 ``spawn`` builds another engine over the same weight objects with its own buffers. Options read:
-``prefill_chunk`` (default the ``LFM25_PREFILL_CHUNK`` setting; 0 there: 512 on the CPU, 8192 on CUDA) and
-``max_tree`` (the widest verify, default 64).
+``prefill_chunk`` (default the ``LFM25_PREFILL_CHUNK`` setting; 0 there: 512 on the CPU, 8192 on CUDA),
+``max_tree`` (the widest verify, default 64) and ``graphs`` (default on; off: the CUDA runner without CUDA
+graphs).
+
+The runner (``make_runner``): on a CUDA device with bf16 weights and Triton, ``LfmCudaRunner`` (decode and
+verify captured as CUDA graphs over static buffers, the Triton kernels; ``cuda_runner.unsupported`` says why not
+otherwise, and the ``LFM25_CUDA_RUNNER`` setting turns it off), else the reference ``Lfm2Runner``.
 """
 
 from __future__ import annotations
@@ -32,25 +37,42 @@ from tandem_lfm25.config import Lfm2Config, read_config
 from tandem_lfm25.model import Lfm2Runner
 from tandem_lfm25.weights import Lfm2Weights, load_weights, normalise_dtype, open_checkpoint
 
-__all__ = ["serve", "ServeError", "build_engine", "make_runner", "plugin_template", "CPU_PREFILL_CHUNK",
-           "CUDA_PREFILL_CHUNK"]
+__all__ = ["serve", "ServeError", "build_engine", "make_runner", "runner_choice", "plugin_template",
+           "CPU_PREFILL_CHUNK", "CUDA_PREFILL_CHUNK"]
 
 CPU_PREFILL_CHUNK = 512      # the CPU path's chunk (the chunk's activations stay small)
 CUDA_PREFILL_CHUNK = 8192    # a GPU's: the prompt lengths the issue's prefill figure is asked at
 
 
+def runner_choice(cfg: Lfm2Config, weights: Lfm2Weights, cuda_runner: bool | None = None) -> str | None:
+    """Why the weights get the reference runner rather than ``LfmCudaRunner`` (None: they get the CUDA one)."""
+    from tandem_lfm25.cuda_runner import unsupported
+
+    if cuda_runner is None:
+        cuda_runner = bool(SETTINGS.get("LFM25_CUDA_RUNNER"))
+    if not cuda_runner:
+        return "the LFM25_CUDA_RUNNER setting is off"
+    return unsupported(cfg, weights)
+
+
 def make_runner(cfg: Lfm2Config, weights: Lfm2Weights, *, max_context: int, prefill_chunk: int,
-                max_tree: int = 64) -> Runner:
-    """The runner for where the weights are: the plain-torch reference runner, on any device (its ops are the
-    kernels registered for the device where there are any, else the references)."""
+                max_tree: int = 64, graphs: bool = True, cuda_runner: bool | None = None) -> Runner:
+    """The runner for where the weights are: ``LfmCudaRunner`` (CUDA graphs unless ``graphs`` is off) where
+    ``runner_choice`` finds no reason against it, else the plain-torch reference runner, on any device (its ops
+    are the kernels registered for the device where there are any, else the references)."""
+    if runner_choice(cfg, weights, cuda_runner) is None:
+        from tandem_lfm25.cuda_runner import LfmCudaRunner
+
+        return LfmCudaRunner(cfg, weights, max_context=max_context, max_tree=max_tree, prefill_chunk=prefill_chunk,
+                             graphs=graphs)
     return Lfm2Runner(cfg, weights, max_context=max_context, max_tree=max_tree, prefill_chunk=prefill_chunk)
 
 
 def build_engine(cfg: Lfm2Config, weights: Lfm2Weights, max_context: int, prefill_chunk: int,
-                 max_tree: int = 64) -> SequenceEngine:
+                 max_tree: int = 64, graphs: bool = True) -> SequenceEngine:
     """The core's sequence engine over the runner for the weights' device (``make_runner``)."""
     return SequenceEngine(make_runner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
-                                      max_tree=max_tree), name=cfg.model_type)
+                                      max_tree=max_tree, graphs=graphs), name=cfg.model_type)
 
 
 def plugin_template() -> str:
@@ -74,7 +96,11 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     prefill_chunk = hfdir.prefill_chunk_for(int(args.options.get("prefill_chunk", SETTINGS.get("LFM25_PREFILL_CHUNK"))),
                                             weights.device, cpu=CPU_PREFILL_CHUNK, cuda=CUDA_PREFILL_CHUNK)
     max_tree = int(args.options.get("max_tree", 64))
-    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+    graphs = str(args.options.get("graphs", "1")).lower() not in ("0", "false", "no", "off")
+    why = runner_choice(cfg, weights)
+    if why is not None and weights.device.type == "cuda":
+        ctx.log(f"{cfg.model_type}: the reference runner on {weights.device}: {why}")
+    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree, graphs)
     ctx.mark("engine")
 
     tokenizer = HFTokenizer.from_dir(d)
@@ -97,6 +123,8 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
                    "moe": len(cfg.moe_layers)},
         "max_context": max_context,
         "prefill_chunk": prefill_chunk,
+        "runner": type(engine.runner).__name__,
+        "graph_widths": list(engine.caps.graph_widths),
         "tied_head": weights.tied,
         "fingerprints": {"weights": weights.identity, "tokenizer": tokenizer.fingerprint(),
                          "manifest": manifest.fingerprint()},
@@ -106,7 +134,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
             f"{dtype} on {weights.device}")
 
     def spawn() -> SequenceEngine:
-        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree)
+        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree, graphs)
 
     return Served(
         model_id=args.model_id,

@@ -1,0 +1,394 @@
+"""A mixture of experts on CUDA (Triton): routing and the grouped expert matmul, row-invariant and capturable in a
+CUDA graph. The plain-torch references are ``tandem_core.ops.moe`` (``route``, ``grouped_experts``): same
+contracts, same dtype flow.
+
+    route(logits [T, E], bias [E] | None, top_k, scoring, renorm, scale, eps, out=None)
+        -> (experts [T, k] int32 ascending along k, weights [T, k] fp32)
+    grouped_experts(x [T, H] bf16, experts [T, k] int, weights [T, k] fp32, w_gate_up [E, 2I, H] bf16,
+                    w_down [E, H, I] bf16, plan=None, out=None) -> y [T, H] bf16
+
+The experts, four launches and nothing read back by the host (so a CUDA graph captures a call whole):
+
+1. ``plan`` (one program): the call's ``P = T * k`` (row, slot) pairs sorted by expert on the device (stable: a
+   pair's place is the count of pairs before it in (expert, pair) order), and a table of blocks of at most ``BT``
+   pairs of one expert each: ``(expert, first sorted pair, pairs)``. The grid of the matmuls is the fixed upper
+   bound ``max_blocks(P, E, BT)`` on the number of blocks; a block past the call's count is marked ``-1`` and its
+   programs exit at once.
+2. ``gate_up``: per (column tile, block): ``gate`` and ``up`` of the block's rows for ``BN_UP`` columns each, the
+   weight tile the MMA's M side and the rows its N side (``BT`` wide, as the skinny matmul's ``"wx"`` layout), then
+   in the epilogue ``h = bf16(bf16(silu(bf16(gate))) * bf16(up))`` into the pair's row of ``h [P, I]``.
+3. ``down``: per (column tile, block): ``bf16(down_e h)`` into the pair's row of ``d [P, H]``.
+4. ``combine``: per row: ``sum of weight * d`` over its pairs in increasing expert (then slot), fp32 from zero,
+   rounded to bf16 once.
+
+An expert's weight tiles are read once per block (once a call for an expert that at most ``BT`` pairs chose: a
+decode step, or a 16-node verify that shares an expert between at most 16 nodes).
+
+Row invariance: ``MoePlan`` (block rows, tiles, warps, stages) is a function of the weight shape only
+(``plan_for``), the K loops run over the whole hidden / expert width in fixed steps, and every pair goes through
+the same ``tl.dot`` of the same shape whatever else shares its block; so a pair's ``d`` row, and a row's sum, do not
+depend on how many rows share its experts or on the call's width: a verified row equals the decode row bit for
+bit. (Prefill may take a wider plan, ``PREFILL_PLAN``: it need not match decode.)
+
+Triton is imported when a kernel is first built, never at import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem_core.ops import triton_pdl as pdl
+
+__all__ = [
+    "PREFILL_PLAN",
+    "SCORING",
+    "MoePlan",
+    "grouped_experts",
+    "kernels",
+    "max_blocks",
+    "plan_for",
+    "plans",
+    "route",
+    "set_plan",
+]
+
+SCORING = {"sigmoid": 0, "softmax": 1}
+
+tl: Any = None
+_K: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """How one expert shape is multiplied: ``BT`` pairs a block (the MMA's N side), ``BN_UP`` gate (and as many
+    up) columns a ``gate_up`` program, ``BN_DOWN`` output columns a ``down`` program, ``BK`` of K a step, warps and
+    pipeline stages."""
+
+    BT: int = 16
+    BN_UP: int = 32
+    BN_DOWN: int = 32
+    BK: int = 128
+    warps: int = 4
+    stages: int = 4
+
+
+PREFILL_PLAN = MoePlan(BT=64, BN_UP=64, BN_DOWN=64, BK=64, warps=4, stages=3)
+
+_PLANS: dict[tuple[int, int, int], MoePlan] = {}
+
+
+def plan_for(E: int, I: int, H: int) -> MoePlan:
+    """The plan for ``E`` experts of width ``I`` over hidden ``H``: a tuned one (``set_plan``) or the default
+    (16-pair blocks; 32-column tiles, so a decode step of 4 experts at I = 1536 has 192 ``gate_up`` programs)."""
+    p = _PLANS.get((E, I, H))
+    if p is not None:
+        return p
+    BK = 128 if min(I, H) >= 128 else max(16, 1 << (min(I, H) - 1).bit_length())
+    return MoePlan(BK=BK)
+
+
+def set_plan(E: int, I: int, H: int, plan: MoePlan) -> None:
+    """Fix the plan of an expert shape (a benchmark's tuning). Set it before any graph is captured."""
+    _PLANS[(E, I, H)] = plan
+
+
+def plans() -> dict[tuple[int, int, int], MoePlan]:
+    return dict(_PLANS)
+
+
+def max_blocks(P: int, E: int, BT: int) -> int:
+    """The most blocks ``P`` pairs over ``E`` experts can need: an expert of ``c`` pairs takes ``ceil(c / BT)``,
+    at most ``(c + BT - 1) / BT``, and at most ``min(E, P)`` experts are chosen."""
+    return max(1, (P + min(E, P) * (BT - 1)) // BT)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _build() -> dict[str, Any]:
+    triton = pdl.bind(globals())                # tl and pdl_wait, where the kernels look them up
+
+    @triton.jit
+    def route_kernel(lg_ptr, bias_ptr, exp_ptr, wt_ptr, E, stride_l, scale, eps,
+                     TOPK: tl.constexpr, BE: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     RENORM: tl.constexpr, PDL: tl.constexpr):
+        # one row: p = sigmoid / softmax(logits); the TOPK largest p + bias (ties: the lower expert); weights p
+        # there, renormalised, scaled; written in increasing expert index
+        pdl_wait(PDL)
+        t = tl.program_id(0)
+        ex = tl.arange(0, BE)
+        ok = ex < E
+        lg = tl.load(lg_ptr + t * stride_l + ex, mask=ok, other=0.0).to(tl.float32)
+        if SCORING == 0:
+            p = 1.0 / (1.0 + tl.exp(-lg))
+        else:
+            lm = tl.where(ok, lg, -float("inf"))
+            z = tl.exp(lm - tl.max(lm, 0))
+            p = z / tl.sum(z, 0)
+        p = tl.where(ok, p, 0.0)
+        s = p
+        if HAS_BIAS:
+            s = p + tl.load(bias_ptr + ex, mask=ok, other=0.0)
+        s = tl.where(ok, s, -float("inf"))
+        chosen = ex < 0
+        for _ in tl.static_range(TOPK):
+            top = tl.max(s, 0)
+            i = tl.min(tl.where(s == top, ex, BE), 0)               # the lowest expert of the largest score
+            chosen = chosen | (ex == i)
+            s = tl.where(ex == i, -float("inf"), s)
+        w = tl.where(chosen, p, 0.0)
+        if RENORM:
+            w = w / (tl.sum(w, 0) + eps)
+        w = w * scale
+        rank = tl.cumsum(chosen.to(tl.int32), 0) - 1
+        tl.store(exp_ptr + t * TOPK + rank, ex, mask=chosen)
+        tl.store(wt_ptr + t * TOPK + rank, w, mask=chosen)
+
+    @triton.jit
+    def plan_kernel(exp_ptr, live_ptr, sorted_ptr, blk_ptr, P, MAXB,
+                    KTOP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BQ: tl.constexpr, BB: tl.constexpr,
+                    HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+        # one program. blk: [3, MAXB] int32 rows (expert or -1, first sorted pair, pairs); the pairs of rows past
+        # live[0] take no part
+        pdl_wait(PDL)
+        if HAS_LIVE:
+            PL = tl.minimum(P, tl.load(live_ptr) * KTOP)
+        else:
+            PL = P
+        ex = tl.arange(0, BE)
+        cnt = tl.zeros((BE,), dtype=tl.int32)
+        for q0 in range(0, PL, BQ):
+            q = q0 + tl.arange(0, BQ)
+            e = tl.load(exp_ptr + q, mask=q < PL, other=BE).to(tl.int32)
+            cnt += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), 0)
+        nb = (cnt + BT - 1) // BT
+        bend = tl.cumsum(nb, 0)                                  # blocks through expert e
+        bstart = bend - nb
+        pstart = tl.cumsum(cnt, 0) - cnt                         # the expert's first sorted pair
+        total = tl.sum(nb, 0)
+        # each pair's place: its expert's start, plus the pairs of that expert before it
+        run = pstart
+        for q0 in range(0, PL, BQ):
+            q = q0 + tl.arange(0, BQ)
+            e = tl.load(exp_ptr + q, mask=q < PL, other=BE).to(tl.int32)
+            oh = (e[:, None] == ex[None, :]).to(tl.int32)                        # [BQ, BE]
+            before = tl.cumsum(oh, 0) - oh
+            at = tl.sum(oh * (before + run[None, :]), 1)
+            tl.store(sorted_ptr + at, q, mask=q < PL)
+            run += tl.sum(oh, 0)
+        for b0 in range(0, MAXB, BB):
+            b = b0 + tl.arange(0, BB)
+            eb = tl.sum((bend[None, :] <= b[:, None]).to(tl.int32), 1)          # the expert holding block b
+            oh = (ex[None, :] == eb[:, None]).to(tl.int32)                       # [BB, BE]
+            j = b - tl.sum(oh * bstart[None, :], 1)
+            lo = tl.sum(oh * pstart[None, :], 1) + j * BT
+            n = tl.minimum(tl.sum(oh * cnt[None, :], 1) - j * BT, BT)
+            live = b < total
+            b_ok = b < MAXB
+            tl.store(blk_ptr + b, tl.where(live, eb, -1), mask=b_ok)
+            tl.store(blk_ptr + MAXB + b, tl.where(live, lo, 0), mask=b_ok)
+            tl.store(blk_ptr + 2 * MAXB + b, tl.where(live, n, 0), mask=b_ok)
+
+    @triton.jit
+    def gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, blk_ptr, MAXB, H, I, stride_x, stride_we, stride_wr,
+                       stride_h, KTOP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       EVEN_K: tl.constexpr, PDL: tl.constexpr):
+        # one (column tile, block): gate^T, up^T [BN, BT] = W[BN, H] x^T[H, BT]; h = bf16(silu(gate)) * up
+        pid_n = tl.program_id(0)
+        b = tl.program_id(1)
+        pdl_wait(PDL)
+        e = tl.load(blk_ptr + b)
+        if e >= 0:
+            lo = tl.load(blk_ptr + MAXB + b)
+            n = tl.load(blk_ptr + 2 * MAXB + b)
+            r = tl.arange(0, BT)
+            r_ok = r < n
+            pair = tl.load(sorted_ptr + lo + r, mask=r_ok, other=0)
+            tok = pair // KTOP
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            offs_k = tl.arange(0, BK)
+            n_ok = offs_n < I
+            wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wr + offs_k[None, :]
+            wu_ptrs = wg_ptrs + I * stride_wr
+            x_ptrs = x_ptr + tok[None, :].to(tl.int64) * stride_x + offs_k[:, None]              # [BK, BT]
+            acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+            acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+            for kr in range(tl.cdiv(H, BK)):
+                if EVEN_K:
+                    wg = tl.load(wg_ptrs, mask=n_ok[:, None], other=0.0)
+                    wu = tl.load(wu_ptrs, mask=n_ok[:, None], other=0.0)
+                    xt = tl.load(x_ptrs, mask=r_ok[None, :], other=0.0)
+                else:
+                    k_ok = kr * BK + offs_k < H
+                    wg = tl.load(wg_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    wu = tl.load(wu_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    xt = tl.load(x_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+                acc_g = tl.dot(wg, xt, acc_g)
+                acc_u = tl.dot(wu, xt, acc_u)
+                wg_ptrs += BK
+                wu_ptrs += BK
+                x_ptrs += BK
+            g = acc_g.to(tl.bfloat16).to(tl.float32)
+            u = acc_u.to(tl.bfloat16).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(tl.bfloat16).to(tl.float32)
+            h_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_h + offs_n[:, None]
+            tl.store(h_ptrs, (a * u).to(tl.bfloat16), mask=n_ok[:, None] & r_ok[None, :])
+
+    @triton.jit
+    def down_kernel(h_ptr, w_ptr, d_ptr, sorted_ptr, blk_ptr, MAXB, H, I, stride_h, stride_we, stride_wr,
+                    stride_d, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                    PDL: tl.constexpr):
+        # one (column tile, block): d^T [BN, BT] = W_down[BN, I] h^T[I, BT], rounded to bf16
+        pid_n = tl.program_id(0)
+        b = tl.program_id(1)
+        pdl_wait(PDL)
+        e = tl.load(blk_ptr + b)
+        if e >= 0:
+            lo = tl.load(blk_ptr + MAXB + b)
+            n = tl.load(blk_ptr + 2 * MAXB + b)
+            r = tl.arange(0, BT)
+            r_ok = r < n
+            pair = tl.load(sorted_ptr + lo + r, mask=r_ok, other=0).to(tl.int64)
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            offs_k = tl.arange(0, BK)
+            n_ok = offs_n < H
+            w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wr + offs_k[None, :]
+            h_ptrs = h_ptr + pair[None, :] * stride_h + offs_k[:, None]                            # [BK, BT]
+            acc = tl.zeros((BN, BT), dtype=tl.float32)
+            for kr in range(tl.cdiv(I, BK)):
+                if EVEN_K:
+                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+                    ht = tl.load(h_ptrs, mask=r_ok[None, :], other=0.0)
+                else:
+                    k_ok = kr * BK + offs_k < I
+                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    ht = tl.load(h_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = tl.dot(w, ht, acc)
+                w_ptrs += BK
+                h_ptrs += BK
+            d_ptrs = d_ptr + pair[None, :] * stride_d + offs_n[:, None]
+            tl.store(d_ptrs, acc.to(tl.bfloat16), mask=n_ok[:, None] & r_ok[None, :])
+
+    @triton.jit
+    def combine_kernel(d_ptr, exp_ptr, wt_ptr, live_ptr, out_ptr, H, stride_d, stride_o, stride_e, stride_w,
+                       KTOP: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, HAS_LIVE: tl.constexpr,
+                       PDL: tl.constexpr):
+        # one (row, column block): sum over the row's pairs in increasing (expert, slot) of weight * d, fp32;
+        # a row past live[0]: zeros
+        pdl_wait(PDL)
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        if HAS_LIVE:
+            ok = offs < tl.where(t < tl.load(live_ptr), H, 0)     # a row past live: nothing read, zeros written
+        else:
+            ok = offs < H
+        j = tl.arange(0, KP)
+        j_ok = j < KTOP
+        e = tl.load(exp_ptr + t * stride_e + j, mask=j_ok, other=2147483647).to(tl.int32)
+        wv = tl.load(wt_ptr + t * stride_w + j, mask=j_ok, other=0.0)
+        # rank[j]: the slots added before slot j
+        before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (j[None, :] < j[:, None]))
+        rank = tl.sum(before.to(tl.int32), 1)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(KTOP):
+            at = rank == r
+            slot = tl.sum(tl.where(at, j, 0), 0)
+            w = tl.sum(tl.where(at, wv, 0.0), 0)
+            dv = tl.load(d_ptr + (t * KTOP + slot).to(tl.int64) * stride_d + offs, mask=ok, other=0.0)
+            acc = acc + dv.to(tl.float32) * w
+        tl.store(out_ptr + t * stride_o + offs, acc.to(tl.bfloat16), mask=offs < H)
+
+    return {"route": route_kernel, "plan": plan_kernel, "gate_up": gate_up_kernel, "down": down_kernel,
+            "combine": combine_kernel}
+
+
+def kernels() -> dict[str, Any]:
+    if not _K:
+        _K.update(_build())
+    return _K
+
+
+# -- launchers ---------------------------------------------------------------------------------------------
+def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str = "sigmoid",
+          renorm: bool = True, scale: float = 1.0, eps: float = 1e-6,
+          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits: [T, E]`` (bf16 or fp32, unit column stride) -> ``(experts [T, k] int32 ascending, weights [T, k]
+    fp32)`` (``out``: those two tensors, written in place). ``bias``: ``[E]`` fp32 or None. One program a row."""
+    if scoring not in SCORING:
+        raise ValueError(f"route: scoring {scoring!r} is not one of {tuple(SCORING)}")
+    T, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"route: top_k {top_k} is not in 1..{E} (the experts)")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if out is None:
+        out = (torch.empty(T, top_k, dtype=torch.int32, device=logits.device),
+               torch.empty(T, top_k, dtype=torch.float32, device=logits.device))
+    experts, weights = out
+    b = bias if bias is not None else weights
+    kernels()["route"][(T,)](logits, b, experts, weights, E, logits.stride(0), float(scale), float(eps),
+                             TOPK=int(top_k), BE=max(16, _pow2(E)), SCORING=SCORING[scoring],
+                             HAS_BIAS=bias is not None, RENORM=bool(renorm), num_warps=1 if E <= 128 else 4,
+                             **pdl.launch_kw())
+    return experts, weights
+
+
+def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor, plan: MoePlan | None = None, out: torch.Tensor | None = None,
+                    live: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring. ``x: [T, H]`` bf16 (unit column stride), ``experts: [T, k]`` int32/int64 (each
+    in ``0..E-1``), ``weights: [T, k]`` fp32, ``w_gate_up: [E, 2I, H]``, ``w_down: [E, H, I]`` bf16 with unit
+    column strides. ``out``: ``[T, H]`` bf16 written in place when given. ``live``: a one-element int32 device
+    tensor, the rows that count (a graph step's width past its tree): the rows from ``live[0]`` on run no expert
+    and get zeros. Returns ``out``."""
+    T, H = x.shape
+    k = experts.shape[1]
+    E, I2, Hw = w_gate_up.shape
+    I = I2 // 2
+    if Hw != H or tuple(w_down.shape) != (E, H, I) or I2 != 2 * I:
+        raise ValueError(f"grouped_experts: x [{T}, {H}], w_gate_up {tuple(w_gate_up.shape)} and w_down "
+                         f"{tuple(w_down.shape)} do not fit [E, 2I, H] and [E, H, I]")
+    if tuple(experts.shape) != (T, k) or tuple(weights.shape) != (T, k):
+        raise ValueError(f"grouped_experts: experts {tuple(experts.shape)} and weights {tuple(weights.shape)} "
+                         f"must both be [{T}, k]")
+    if x.dtype != torch.bfloat16 or w_gate_up.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16:
+        raise ValueError("grouped_experts: x, w_gate_up and w_down must be bf16")
+    if x.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
+        raise ValueError("grouped_experts: x and the weights need a unit column stride")
+    p = plan or plan_for(E, I, H)
+    dev = x.device
+    P = T * k
+    maxb = max_blocks(P, E, p.BT)
+    flat = experts.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    ew = experts if experts.stride(1) == 1 else experts.contiguous()
+    ww = weights if weights.stride(1) == 1 else weights.contiguous()
+    srt = torch.empty(P, dtype=torch.int32, device=dev)
+    blk = torch.empty(3, maxb, dtype=torch.int32, device=dev)
+    h = torch.empty(P, I, dtype=torch.bfloat16, device=dev)
+    d = torch.empty(P, H, dtype=torch.bfloat16, device=dev)
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    kk, kw = kernels(), pdl.launch_kw()
+    BE = max(16, _pow2(E))
+    lv = live if live is not None else srt
+    kk["plan"][(1,)](flat, lv, srt, blk, P, maxb, KTOP=k, HAS_LIVE=live is not None, BT=p.BT, BE=BE, BQ=max(16, min(128, 8192 // BE)),
+                     BB=max(16, min(32, 8192 // BE)),
+                     num_warps=4, **kw)
+    kk["gate_up"][(math.ceil(I / p.BN_UP), maxb)](
+        x, w_gate_up, h, srt, blk, maxb, H, I, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        KTOP=k, BT=p.BT, BN=p.BN_UP, BK=p.BK, EVEN_K=H % p.BK == 0, num_warps=p.warps, num_stages=p.stages, **kw)
+    kk["down"][(math.ceil(H / p.BN_DOWN), maxb)](
+        h, w_down, d, srt, blk, maxb, H, I, h.stride(0), w_down.stride(0), w_down.stride(1), d.stride(0),
+        BT=p.BT, BN=p.BN_DOWN, BK=p.BK, EVEN_K=I % p.BK == 0, num_warps=p.warps, num_stages=p.stages, **kw)
+    CB = 1024
+    kk["combine"][(T, math.ceil(H / CB))](d, ew, ww, lv, out, H, d.stride(0), out.stride(0), ew.stride(0),
+                                          ww.stride(0), KTOP=k, KP=max(2, _pow2(k)), BLOCK=CB,
+                                          HAS_LIVE=live is not None, num_warps=4, **kw)
+    return out

@@ -1,0 +1,112 @@
+"""The grouped expert matmul and the router on CUDA (``tandem_core.ops.triton_moe``) against their plain-torch
+references (``tandem_core.ops.moe``); skipped without a CUDA device and Triton."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                                reason="needs a CUDA device and Triton (the CPU references are the source of truth)")
+
+# (E, I, H, k): LFM2.5-24B-A2B, LFM2-8B-A1B, a Flash-Next-like router, a small odd one (K not a multiple of BK)
+SHAPES = [(64, 1536, 2048, 4), (32, 1792, 2048, 4), (512, 640, 2048, 10), (6, 72, 200, 2)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _mm64(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # the reference's matmuls exact before their bf16 rounding (what the kernel's fp32 accumulation approaches)
+    return (x.double() @ w.double().t()).to(x.dtype)
+
+
+def _case(T, E, I, H, k, seed=0, shared=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+    w_down = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    experts = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(T)])
+    if shared and T > 2:
+        experts[: T // 2] = experts[0]                  # many rows on one expert: blocks of more than one row
+    weights = torch.rand(T, k, device="cuda", generator=g)
+    return x, experts, weights, w_gate_up, w_down
+
+
+@pytest.mark.parametrize("E,I,H,k", SHAPES, ids=[f"E{e}-I{i}-H{h}-k{k}" for e, i, h, k in SHAPES])
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_grouped_experts_equals_the_reference(T, E, I, H, k):
+    from tandem_core.ops import moe
+    from tandem_core.ops import triton_moe as tm
+
+    x, experts, weights, gu, dn = _case(T, E, I, H, k)
+    y = tm.grouped_experts(x, experts, weights, gu, dn)
+    want = moe.grouped_experts(x, experts, weights, gu, dn, mm=_mm64)
+    assert y.shape == (T, H) and y.dtype == torch.bfloat16
+    assert rel(y, want) < 4e-3
+    # int32 experts (the router's) give the same bits
+    assert torch.equal(tm.grouped_experts(x, experts.int(), weights, gu, dn), y)
+
+
+@pytest.mark.parametrize("E,I,H,k", SHAPES[:3], ids=[f"E{e}-I{i}" for e, i, h, k in SHAPES[:3]])
+def test_a_row_does_not_depend_on_the_rows_beside_it(E, I, H, k):
+    from tandem_core.ops import triton_moe as tm
+
+    x, experts, weights, gu, dn = _case(64, E, I, H, k, seed=1)
+    wide = tm.grouped_experts(x, experts, weights, gu, dn)
+    for t in (0, 1, 31, 63):                           # the decode row alone equals its row in every width
+        alone = tm.grouped_experts(x[t:t + 1], experts[t:t + 1], weights[t:t + 1], gu, dn)
+        assert torch.equal(alone[0], wide[t])
+        part = tm.grouped_experts(x[: t + 1], experts[: t + 1], weights[: t + 1], gu, dn)
+        assert torch.equal(part[t], wide[t])
+
+
+def test_grouped_experts_replays_in_a_cuda_graph_with_new_routes():
+    from tandem_core.ops import moe
+    from tandem_core.ops import triton_moe as tm
+
+    E, I, H, k, T = 64, 1536, 2048, 4, 16
+    x, experts, weights, gu, dn = _case(T, E, I, H, k, seed=2)
+    xs, es, ws = x.clone(), experts.clone(), weights.clone()
+    tm.grouped_experts(xs, es, ws, gu, dn)             # builds the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = tm.grouped_experts(xs, es, ws, gu, dn)
+    for seed in (3, 4):
+        x2, e2, w2, _, _ = _case(T, E, I, H, k, seed=seed, shared=seed == 3)
+        xs.copy_(x2)
+        es.copy_(e2)
+        ws.copy_(w2)
+        graph.replay()
+        assert torch.equal(ys, tm.grouped_experts(x2, e2, w2, gu, dn))
+        assert rel(ys, moe.grouped_experts(x2, e2, w2, gu, dn, mm=_mm64)) < 4e-3
+
+
+@pytest.mark.parametrize("scoring,E,k,bias", [("sigmoid", 64, 4, True), ("sigmoid", 32, 4, False),
+                                               ("softmax", 512, 10, False)])
+def test_route_equals_the_reference(scoring, E, k, bias):
+    from tandem_core.ops import moe
+    from tandem_core.ops import triton_moe as tm
+
+    g = torch.Generator(device="cuda").manual_seed(E)
+    logits = torch.randn(64, E, device="cuda", generator=g).bfloat16()
+    b = torch.randn(E, device="cuda", generator=g) * 0.05 if bias else None
+    experts, weights = tm.route(logits, b, k, scoring, renorm=True, scale=2.5)
+    want_e, want_w = moe.route(logits, b, k, scoring, renorm=True, scale=2.5)
+    assert torch.equal(experts.long(), want_e)
+    assert float((weights - want_w).abs().max()) < 1e-5
+    one_e, one_w = tm.route(logits[5:6], b, k, scoring, renorm=True, scale=2.5)
+    assert torch.equal(one_e[0], experts[5]) and torch.equal(one_w[0], weights[5])
+
+
+def test_rows_past_live_run_no_expert():
+    from tandem_core.ops import triton_moe as tm
+
+    x, experts, weights, gu, dn = _case(16, 64, 1536, 2048, 4, seed=5)
+    full = tm.grouped_experts(x, experts, weights, gu, dn)
+    live = torch.tensor([10], dtype=torch.int32, device="cuda")
+    part = tm.grouped_experts(x, experts, weights, gu, dn, live=live)
+    assert torch.equal(part[:10], full[:10]) and not part[10:].any()
