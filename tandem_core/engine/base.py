@@ -272,10 +272,11 @@ class DraftHead(Protocol):
         reference form; writes the head's KV rows there."""
         ...
 
-    def append(self, tokens: torch.Tensor, rows: torch.Tensor, start: int) -> None:
+    def append(self, tokens: torch.Tensor, rows: torch.Tensor, start: int, *, decode_form: bool = False) -> None:
         """The sequence appended ``tokens [T]`` at positions ``start ..`` whose target rows are ``rows [T, D]``:
         the head's rows ``start - 1 .. start + T - 2`` (the first reads ``mtp.hidden``; none when ``start``
-        is 0), then ``mtp.hidden`` <- ``rows[-1]``."""
+        is 0), then ``mtp.hidden`` <- ``rows[-1]``. ``decode_form``: each row as a one-row step would compute
+        it (a commit's rows then equal plain decoding's bit for bit, as the self-check compares them)."""
         ...
 
     def launch(self, token: int, position: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,8 +299,10 @@ class DraftHead(Protocol):
         ...
 
 
-def head_append(head: DraftHead, tokens: torch.Tensor, rows: torch.Tensor, start: int, chunk: int = 512) -> None:
-    """``DraftHead.append`` over the head's reference ``run`` (``chunk`` rows a call, ``logits`` off)."""
+def head_append(head: DraftHead, tokens: torch.Tensor, rows: torch.Tensor, start: int, chunk: int = 512,
+                decode_form: bool = False) -> None:
+    """``DraftHead.append`` over the head's reference ``run`` (``chunk`` rows a call, one with ``decode_form``;
+    ``logits`` off)."""
     hidden = head.sections()["mtp.hidden"]
     T = int(tokens.numel())
     if T == 0:
@@ -310,8 +313,9 @@ def head_append(head: DraftHead, tokens: torch.Tensor, rows: torch.Tensor, start
         ids = tokens
     else:
         at, src, ids = 0, rows[:-1], tokens[1:]
-    for s in range(0, int(ids.numel()), chunk):
-        head.run(ids[s:s + chunk], src[s:s + chunk], at + s, logits=False)
+    step = 1 if decode_form else chunk
+    for s in range(0, int(ids.numel()), step):
+        head.run(ids[s:s + step], src[s:s + step], at + s, logits=False)
     hidden.copy_(rows[-1:])
 
 

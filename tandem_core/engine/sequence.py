@@ -216,7 +216,7 @@ class SequenceEngine:
             at = torch.tensor(idx, dtype=torch.long)
             rows = self._head_rows().index_select(0, at.to(self._head_rows().device))
             self._pending.head.append(rows)
-            self._head.append(self._tree_ids.index_select(0, at), rows, tree.start)
+            self._head.append(self._tree_ids.index_select(0, at), rows, tree.start, decode_form=True)
 
     @torch.inference_mode()
     def rollback_to(self, n: int) -> None:

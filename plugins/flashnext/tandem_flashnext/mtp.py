@@ -154,9 +154,9 @@ class MTPHead:
         return {"mtp.hidden": self._hidden}
 
     @torch.no_grad()
-    def append(self, tokens: torch.Tensor, rows: torch.Tensor, start: int) -> None:
+    def append(self, tokens: torch.Tensor, rows: torch.Tensor, start: int, *, decode_form: bool = False) -> None:
         """``DraftHead.append``: the head's rows ``start - 1 ..`` of appended tokens, in the prefill form."""
-        head_append(self, tokens.reshape(-1).to(self.device), rows, int(start))
+        head_append(self, tokens.reshape(-1).to(self.device), rows, int(start), decode_form=decode_form)
 
     def launch(self, token: int, position: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``DraftHead.launch``: ``draft`` from ``mtp.hidden``."""

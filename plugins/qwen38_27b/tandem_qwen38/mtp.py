@@ -161,9 +161,9 @@ class MTPHead:
                 MemoryPart("mtp.kv", tensor_bytes(self._K, self._V, self._hidden), dev)]
 
     @torch.no_grad()
-    def append(self, tokens: torch.Tensor, rows: torch.Tensor, start: int) -> None:
+    def append(self, tokens: torch.Tensor, rows: torch.Tensor, start: int, *, decode_form: bool = False) -> None:
         """``DraftHead.append``: the head's rows ``start - 1 ..`` of appended tokens, in the prefill form."""
-        head_append(self, tokens.reshape(-1).to(self.device), rows, int(start))
+        head_append(self, tokens.reshape(-1).to(self.device), rows, int(start), decode_form=decode_form)
 
     @torch.no_grad()
     def launch(self, token: int, position: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
