@@ -436,7 +436,7 @@ class SequenceEngine:
             self._got(rows)
             if self._head is not None:
                 head_rows = rows.hidden if self._head.reads is None else rows.taps[self._head.reads]
-                self._head.append(piece.to(head_rows.device), head_rows, step.start)
+                self._head.append(piece, head_rows, step.start)       # ids on the host, rows on the device
             if rows.logits is not None and (all_logits or s + chunk >= T):
                 logits.append(rows.logits if all_logits else rows.logits[-1:])
         return logits[0] if len(logits) == 1 else torch.cat(logits)
