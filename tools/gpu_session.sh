@@ -6,6 +6,8 @@
 #            `tandem serve --device cuda` end to end, the side lane on the CUDA path
 #   serve    tools/bench_serve_gpu.py at the 27B shape (the checkpoint written on the machine's disk)
 #   engine   tools/bench_gpu.py engine with the shipped defaults (no tuning)
+#   mtp      the graphed MTP head's GPU tests (test_qwen38_mtp_gpu.py), then tools/bench_mtp.py at the 27B shape,
+#            graphs against eager, depths 1..4, within MTP_BUDGET seconds (default 150); $OUT/mtp.md, mtp.log
 #
 # The device machine has no registry: .whl/ holds what its image lacks (fastapi, uvicorn, pydantic,
 # llguidance, gguf, openai, jsonschema, transformers 5.24.0, flash-linear-attention, ...).
@@ -45,6 +47,15 @@ engine() {
     timeout 560 python3 tools/bench_gpu.py engine --out "$OUT/engine" --no-tune --budget ${ENGINE_BUDGET:-420} \
         2>&1 | tee "$OUT/engine.log" | tail -60
     cp "$OUT/engine/engine.json" "$OUT/" 2>/dev/null
+}
+
+mtp() {
+    local budget=${MTP_BUDGET:-150}
+    timeout $(( budget / 2 )) python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
+        plugins/qwen38_27b/tests/test_qwen38_mtp_gpu.py 2>&1 | tee "$OUT/mtp-tests.log" | tail -30
+    timeout $(( budget / 2 )) python3 tools/bench_mtp.py --shape 27b --device cuda --dtype bf16 --context 4096 \
+        --rounds 20 --depths 1,2,3,4 --accepted 0,3 --heads graphs,eager --budget $(( budget / 2 - 30 )) \
+        --out "$OUT/mtp.md" 2>&1 | tee "$OUT/mtp.log" | tail -30
 }
 
 for part in "$@"; do
