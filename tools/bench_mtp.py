@@ -53,9 +53,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def build(shape: str, device: str, dtype: str, max_context: int, form: str = "graphs") -> Any:
-    """A Qwen3.8 engine of one full-attention layer with an MTP head of ``shape``, every tensor random; ``form``
-    ``eager``: the plain-torch head beside whatever runner the device gets (``graphs``: the serving choice)."""
+def build(shape: str, device: str, dtype: str, max_context: int) -> Any:
+    """A Qwen3.8 engine of one full-attention layer with an MTP head of ``shape``, every tensor random (the head
+    the serving path picks: graphs beside the CUDA runner), and a function giving an engine over the same runner
+    and weights with the plain-torch head (``eager``)."""
     from tandem_qwen38.config import read_config
     from tandem_qwen38.mtp import build_mtp
     from tandem_qwen38.serving import build_engine
@@ -81,13 +82,14 @@ def build(shape: str, device: str, dtype: str, max_context: int, form: str = "gr
     head = {k: random(e.shape) for k, e in expected_mtp_tensors(cfg, 1).items()}
     mtp = build_mtp(head.__getitem__, cfg, 1, dtype, device)
     engine = build_engine(cfg, weights, max_context, 512, max_tree=16, mtp=mtp)
-    if form == "eager":
+
+    def eager() -> Any:
         from tandem_core.engine import SequenceEngine
         from tandem_qwen38.mtp import MTPHead
 
-        engine = SequenceEngine(engine.runner, name="qwen3_5",
-                                head=MTPHead(cfg, weights, mtp, max_context=max_context))
-    return engine, cfg, mtp.nbytes, weights.head.nbytes
+        return SequenceEngine(engine.runner, name="qwen3_5", head=MTPHead(cfg, weights, mtp, max_context=max_context))
+
+    return engine, eager, cfg, mtp.nbytes, weights.head.nbytes
 
 
 def sync(device: str) -> None:
@@ -167,11 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     head_bytes = out_bytes = 0
     with torch.inference_mode():
+        served, eager, cfg, head_bytes, out_bytes = build(args.shape, args.device, args.dtype, max_context)
         for form in forms:
             if args.budget and time.perf_counter() - t_start > args.budget:
                 skipped.append(form)
                 continue
-            engine, cfg, head_bytes, out_bytes = build(args.shape, args.device, args.dtype, max_context, form)
+            engine = served if form == "graphs" else eager()
             if form == "graphs" and not engine.caps.mtp_graphs:
                 skipped.append(f"{form} (this device gets no graphed head)")
                 continue
@@ -183,9 +186,6 @@ def main(argv: list[str] | None = None) -> int:
                     r = bench(engine, cfg, args.device, args.context, depth, acc, args.rounds)
                     rows.append((form, depth, acc, r))
             last = engine
-            del engine
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
     head = last.mtp_head()
     lines = [
         "| head | depth | accepted tokens a round | append ms | launch + read ms | drafter ms a round "
