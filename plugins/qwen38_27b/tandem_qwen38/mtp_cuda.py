@@ -130,8 +130,9 @@ class CudaMTPHead(MTPHead):
         from tandem_core.ops import rope as _rope
 
         self.freqs = _rope.inv_freq(c.rotary_dim, c.rope_theta, dev)
-        with torch.no_grad():
-            self.capture()
+        if dev.type == "cuda":        # elsewhere (the kernels under TRITON_INTERPRET) each step runs eagerly
+            with torch.no_grad():
+                self.capture()
 
     # -- one step of ``rows`` rows (those < meta[1] real) on the head's layer ``slot`` -------------------------
     def _step(self, rows: int, hidden: torch.Tensor, meta: torch.Tensor, pos: torch.Tensor, anc: torch.Tensor,
@@ -218,6 +219,15 @@ class CudaMTPHead(MTPHead):
         h[o:o + 2] = (at, n)
         h[o + 2:o + 2 + W] = [at + j for j in range(W)]
 
+    def _replay(self, key: tuple[str, int]) -> None:
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()
+        elif key[0] == "launch":
+            self._launch_body(key[1])
+        else:
+            self._append_body(key[1])
+
     def capture(self) -> None:
         """Capture the launch graph of every depth and the append graph of every width (after a warm-up run of
         each, which compiles the kernels); the warm-up rows land in the slack past ``max_context``."""
@@ -254,7 +264,7 @@ class CudaMTPHead(MTPHead):
                              f"0..{self.max_context - 1}")
         self._fill_launch(int(token), int(position))
         self._upload()
-        self.graphs[("launch", depth)].replay()
+        self._replay(("launch", depth))
         return self.top_tokens[:depth], self.top_probs[:depth]
 
     @torch.no_grad()
@@ -285,7 +295,7 @@ class CudaMTPHead(MTPHead):
                 self.src[:n].copy_(src[:n])
             self._fill_append(at, n, W)
             self._upload()
-            self.graphs[("append", W)].replay()
+            self._replay(("append", W))
         self._hidden.copy_(rows[-1:].to(self.act_dtype))
 
     def memory_parts(self) -> list[MemoryPart]:
