@@ -1,21 +1,27 @@
-"""What the shared MTP drafter costs a round: capture, launch and read over a Qwen3.8 MTP head (random).
+"""What the shared MTP drafter costs a round: the head's append and its launch + read over a Qwen3.8 MTP head (random).
 
 Random weights never get a draft accepted, so the head's worth (its acceptance) cannot be measured here;
 its cost can. A Qwen3.8 engine (one full-attention target layer: the target's own forwards are not timed)
 and an MTP head of the chosen shape are built from random tensors in memory, a prompt of ``--context``
 tokens is prefilled, then each round is what the decode loop does around the verify:
 
-    verify + commit of ``accepted + 1`` tokens (not timed)
-    drafter.accepted(...)      capture: the head's rows of the committed tokens but the last    (timed)
+    verify + commit of ``accepted + 1`` tokens (not timed; the commit appends the head's rows)
+    head.append(...)           the head's rows of the committed tokens, again (timed: what a commit adds)
     drafter.propose(...)       launch (``depth`` chained head steps) and read (the top two a depth)  (timed)
 
-The table gives, for each depth and number of accepted tokens, the median of ``--rounds`` rounds: the
-capture, the launch + read, their sum (the drafter's cost a round) and that sum per head step. Shapes:
-``tiny`` (the tests'), ``small`` (hidden 1024, vocabulary 32768) and ``27b`` (the published Qwen3.8-27B
-head: hidden 5120, 24/4 heads of 256, MLP 17408, vocabulary 248320; for a GPU, bf16).
+``--heads`` picks the head's forms: ``graphs`` (on CUDA, ``tandem_qwen38.mtp_cuda.CudaMTPHead``: one graph replay
+a launch, one an append) and ``eager`` (the plain-torch ``MTPHead``, one kernel launch an op). The table gives, for
+each form, depth and number of accepted tokens, the median of ``--rounds`` rounds: the append, the launch + read,
+their sum (the drafter's cost a round), that sum per head step, the round as a fraction of the target's decode
+step (``--decode-ms``: the 27B's on the H200 is 13.8 ms, ``docs/measurements/h200-serve.md``) and against the
+round's bandwidth floor (the bytes its head steps read: the head's layer and fc, and the output head for each
+launch step, at ``--bandwidth`` GB/s). Shapes: ``tiny`` (the tests'), ``small`` (hidden 1024, vocabulary 32768)
+and ``27b`` (the published Qwen3.8-27B head: hidden 5120, 24/4 heads of 256, MLP 17408, vocabulary 248320; for a
+GPU, bf16).
 
     python tools/bench_mtp.py [--shape small] [--device cpu] [--dtype fp32] [--context 1024]
                               [--rounds 20] [--depths 1,2,3,4] [--accepted 0,3] [--threads 2]
+                              [--heads graphs,eager] [--decode-ms 13.8] [--bandwidth 4200] [--budget 0]
                               [--out docs/measurements/cpu-mtp.md]
 """
 
@@ -48,7 +54,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def build(shape: str, device: str, dtype: str, max_context: int) -> Any:
-    """A Qwen3.8 engine of one full-attention layer with an MTP head of ``shape``, every tensor random."""
+    """A Qwen3.8 engine of one full-attention layer with an MTP head of ``shape``, every tensor random (the head
+    the serving path picks: graphs beside the CUDA runner), and a function giving an engine over the same runner
+    and weights with the plain-torch head (``eager``)."""
     from tandem_qwen38.config import read_config
     from tandem_qwen38.mtp import build_mtp
     from tandem_qwen38.serving import build_engine
@@ -73,7 +81,15 @@ def build(shape: str, device: str, dtype: str, max_context: int) -> Any:
     weights = build_weights(target, cfg, dtype, device)
     head = {k: random(e.shape) for k, e in expected_mtp_tensors(cfg, 1).items()}
     mtp = build_mtp(head.__getitem__, cfg, 1, dtype, device)
-    return build_engine(cfg, weights, max_context, 512, max_tree=16, mtp=mtp), cfg
+    engine = build_engine(cfg, weights, max_context, 512, max_tree=16, mtp=mtp)
+
+    def eager() -> Any:
+        from tandem_core.engine import SequenceEngine
+        from tandem_qwen38.mtp import MTPHead
+
+        return SequenceEngine(engine.runner, name="qwen3_5", head=MTPHead(cfg, weights, mtp, max_context=max_context))
+
+    return engine, eager, cfg, mtp.nbytes, weights.head.nbytes
 
 
 def sync(device: str) -> None:
@@ -86,6 +102,7 @@ def bench(engine: Any, cfg: Any, device: str, context: int, depth: int, accepted
     from tandem_drafters.mtp import MTPDrafter
 
     drafter = MTPDrafter(engine=engine, depth=depth)
+    head = engine.mtp_head()
     gen = torch.Generator().manual_seed(depth * 100 + accepted)
     vocab = cfg.vocab_size
     seq = torch.randint(0, vocab, (context,), generator=gen).tolist()
@@ -93,16 +110,21 @@ def bench(engine: Any, cfg: Any, device: str, context: int, depth: int, accepted
     engine.forward(torch.tensor(seq))
     drafter.begin(seq)
     pending = int(torch.randint(0, vocab, (1,), generator=gen))
-    drafter.propose([*seq, pending], 2 * depth)                # the first round: the prefill's rows
+    drafter.propose([*seq, pending], 2 * depth)
     capture, launch = [], []
     for i in range(rounds + 3):              # the first three rounds warm up, untimed
         path = torch.randint(0, vocab, (accepted,), generator=gen).tolist()
         tokens = [pending, *path]
+        start = engine.kv.length
         engine.forward_tree(torch.tensor(tokens), torch.arange(-1, len(tokens) - 1))
+        rows = engine.hidden_post_norm()[:len(tokens)].clone()
+        before = head.sections()["mtp.hidden"].clone()
         engine.commit_tree(list(range(len(tokens))))
         engine.settle()
+        head.sections()["mtp.hidden"].copy_(before)           # the append again, from the same state
         sync(device)
         t0 = time.perf_counter()
+        head.append(torch.tensor(tokens), rows, start, decode_form=True)
         drafter.accepted(tokens)
         sync(device)
         t1 = time.perf_counter()
@@ -115,7 +137,7 @@ def bench(engine: Any, cfg: Any, device: str, context: int, depth: int, accepted
             capture.append((t1 - t0) * 1e3)
             launch.append((t2 - t1) * 1e3)
     c, la = statistics.median(capture), statistics.median(launch)
-    return {"capture": c, "launch": la, "round": c + la, "step": (c + la) / (depth + (accepted > 0))}
+    return {"capture": c, "launch": la, "round": c + la, "step": (c + la) / (depth + 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,29 +149,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--accepted", default="0,3")
+    ap.add_argument("--heads", default="graphs,eager", help="the head's forms: graphs (CUDA), eager")
+    ap.add_argument("--decode-ms", type=float, default=13.8, help="the target's decode step to compare with")
+    ap.add_argument("--bandwidth", type=float, default=4200.0, help="GB/s for the bandwidth floor")
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds; stop starting forms/depths past it")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="", help="write the table there (markdown) with the command")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
     depths = [int(d) for d in args.depths.split(",")]
     accepts = [int(a) for a in args.accepted.split(",")]
+    forms = [f for f in args.heads.split(",") if f]
+    if not args.device.startswith("cuda"):
+        forms = [f for f in forms if f != "graphs"] or ["eager"]
     max_context = args.context + (args.rounds + 3) * (max(accepts) + 1) + max(depths) + 8
+    rows = []
+    skipped: list[str] = []
+    head_bytes = out_bytes = 0
     with torch.inference_mode():
-        engine, cfg = build(args.shape, args.device, args.dtype, max_context)
-        rows = []
-        for depth in depths:
-            for acc in accepts:
-                r = bench(engine, cfg, args.device, args.context, depth, acc, args.rounds)
-                rows.append((depth, acc, r))
-    head = engine.mtp_head()
+        served, eager, cfg, head_bytes, out_bytes = build(args.shape, args.device, args.dtype, max_context)
+        for form in forms:
+            if args.budget and time.perf_counter() - t_start > args.budget:
+                skipped.append(form)
+                continue
+            engine = served if form == "graphs" else eager()
+            if form == "graphs" and not engine.caps.mtp_graphs:
+                skipped.append(f"{form} (this device gets no graphed head)")
+                continue
+            for depth in depths:
+                for acc in accepts:
+                    if args.budget and time.perf_counter() - t_start > args.budget:
+                        skipped.append(f"{form} depth {depth} accepted {acc}")
+                        continue
+                    r = bench(engine, cfg, args.device, args.context, depth, acc, args.rounds)
+                    rows.append((form, depth, acc, r))
+            last = engine
+    head = last.mtp_head()
     lines = [
-        "| depth | accepted tokens a round | capture ms | launch + read ms | drafter ms a round "
-        "| ms a head step |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| head | depth | accepted tokens a round | append ms | launch + read ms | drafter ms a round "
+        "| ms a head step | of a decode step | floor ms | x floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    lines += [f"| {d} | {a} | {r['capture']:.2f} | {r['launch']:.2f} | {r['round']:.2f} | {r['step']:.2f} |"
-              for d, a, r in rows]
+    for form, d, a, r in rows:
+        floor = ((d + 1) * head_bytes + d * out_bytes) / (args.bandwidth * 1e9) * 1e3
+        lines.append(f"| {form} | {d} | {a} | {r['capture']:.2f} | {r['launch']:.2f} | {r['round']:.2f} | "
+                     f"{r['step']:.2f} | {r['round'] / args.decode_ms:.1%} | {floor:.2f} | "
+                     f"{r['round'] / floor:.1f} |")
     cmd = "python tools/bench_mtp.py " + " ".join(argv if argv is not None else sys.argv[1:])
     cuda = args.device.startswith("cuda")
     where = torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu")
@@ -161,13 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.num_key_value_heads} heads of {cfg.head_dim}, MLP {cfg.intermediate_size}, vocabulary "
         f"{cfg.vocab_size}), {args.dtype}, random weights; "
         f"{sum(p.nbytes for p in head.memory_parts()) / 2**20:.1f} MiB (its weights and its KV rows for "
-        f"{head.max_context} positions; the embedding and output head are "
-        f"the target's)",
-        f"- context {args.context} tokens; median of {args.rounds} rounds; a round's capture reads the "
-        f"committed tokens' rows (accepted + the pending one), its launch runs `depth` chained head steps "
-        f"and reads the top two a depth; `ms a head step` divides by the head calls (depth, plus the "
-        f"capture's when it runs)",
+        f"{head.max_context} positions; the embedding and output head are the target's)",
+        f"- context {args.context} tokens; median of {args.rounds} rounds; a round's append writes the head's "
+        f"rows of the committed tokens (accepted + the pending one) as the commit does, its launch runs `depth` "
+        f"chained head steps and reads the top two a depth; `ms a head step` divides by depth + 1 (the "
+        f"append's); `of a decode step` against {args.decode_ms} ms; the floor reads the head's "
+        f"{head_bytes / 1e9:.2f} GB a step and the output head's {out_bytes / 1e9:.2f} GB a launch step at "
+        f"{args.bandwidth:.0f} GB/s",
     ]
+    if skipped:
+        about.append(f"- not run (the --budget of {args.budget:.0f} s ran out, or no graphs here): "
+                     f"{', '.join(skipped)}")
     print("\n".join(about + [""] + lines))
     if args.out:
         out = Path(args.out)

@@ -8,6 +8,8 @@
 #   engine   tools/bench_gpu.py engine with the shipped defaults (no tuning)
 #   lfm25    the LFM2 GPU tests (triton_moe, LfmCudaRunner, tandem serve on CUDA), then tools/bench_lfm25_gpu.py
 #            at the 24B-A2B and 8B-A1B-like shapes against transformers (budget LFM25_BUDGET, default 240 s)
+#   mtp      the graphed MTP head's GPU tests (test_qwen38_mtp_gpu.py), then tools/bench_mtp.py at the 27B shape,
+#            graphs against eager, depths 1..4, within MTP_BUDGET seconds (default 150); $OUT/mtp.md, mtp.log
 #
 # The device machine has no registry: .whl/ holds what its image lacks (fastapi, uvicorn, pydantic,
 # llguidance, gguf, openai, jsonschema, transformers 5.24.0, flash-linear-attention, ...).
@@ -56,6 +58,15 @@ lfm25() {
     timeout $(( ${LFM25_BUDGET:-240} + 60 )) python3 tools/bench_lfm25_gpu.py --out "$OUT/lfm25" \
         --budget ${LFM25_BUDGET:-240} ${LFM25_ARGS:-} 2>&1 | tee "$OUT/lfm25-bench.log" | tail -40
     cp "$OUT/lfm25/lfm25.md" "$OUT/lfm25/lfm25.json" "$OUT/" 2>/dev/null
+}
+
+mtp() {
+    local budget=${MTP_BUDGET:-150}
+    timeout $(( budget / 2 )) python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
+        plugins/qwen38_27b/tests/test_qwen38_mtp_gpu.py 2>&1 | tee "$OUT/mtp-tests.log" | tail -30
+    timeout $(( budget / 2 )) python3 tools/bench_mtp.py --shape 27b --device cuda --dtype bf16 --context 4096 \
+        --rounds 20 --depths 1,2,3,4 --accepted 0,3 --heads graphs,eager --budget $(( budget / 2 - 30 )) \
+        --out "$OUT/mtp.md" 2>&1 | tee "$OUT/mtp.log" | tail -30
 }
 
 for part in "$@"; do

@@ -11,14 +11,14 @@ implements (``runner``), and the one sequence engine over a runner (``sequence``
 from tandem_core.engine.base import (
     Capabilities, DraftHead, Engine, HeadRows, KVInfo, Manifest, MemoryPart, MTPEngine, ResumableEngine,
     Trace, TreeEngine, TreeOut, op_paths, restore_state, source_files, supports_mtp, supports_resume,
-    supports_tree, tensor_bytes,
+    supports_tree, tensor_bytes, head_append, head_launch,
 )
 from tandem_core.engine.runner import Capture, LogitRows, Rows, Runner, RunnerSpec, Step, TreeStep
 from tandem_core.engine.sequence import ContextFull, SequenceEngine
 
 __all__ = [
     "Capabilities", "Engine", "KVInfo", "Manifest", "MemoryPart", "ResumableEngine", "Trace", "TreeEngine",
-    "TreeOut", "DraftHead", "HeadRows", "MTPEngine", "supports_mtp",
+    "TreeOut", "DraftHead", "HeadRows", "MTPEngine", "supports_mtp", "head_append", "head_launch",
     "restore_state", "supports_resume", "supports_tree", "source_files", "op_paths", "tensor_bytes",
     "Capture", "LogitRows", "Rows", "Runner", "RunnerSpec", "Step", "TreeStep", "ContextFull", "SequenceEngine",
 ]

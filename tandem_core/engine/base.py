@@ -13,11 +13,12 @@ Protocols here are split by capability:
   keeps one root-to-leaf path; ``rollback_to(n)`` forgets tokens past ``n``.
 - ``ResumableEngine`` (``caps.resume``): ``resume_at(n, sections)`` for the caches.
 - ``MTPEngine`` (``caps.mtp``): a tree engine whose checkpoint ships a multi-token-prediction head.
-  ``mtp_head()`` is the head (a ``DraftHead``: the family's arithmetic over its own KV rows);
-  ``appended_rows()`` are the rows the head reads (the target's hidden states, or a tapped layer's,
-  ``DraftHead.reads``) of the tokens the last forward or ``commit_tree`` appended: captured inside
-  the forward and the verify that computed them, never by another target pass. The shared MTP
-  drafter (``tandem_drafters.mtp``) drives both.
+  ``mtp_head()`` is the head (a ``DraftHead``: the family's arithmetic over its own KV rows). The engine
+  keeps the head's rows true for the sequence itself: every forward and commit hands the head the rows it
+  reads of the appended tokens (``DraftHead.append``, from that call's own rows: never another target
+  pass), and the head's rows are sections and views of the engine's state (``DraftHead.sections`` /
+  ``views``), so every cache tier saves and restores them with the target's. The shared MTP drafter
+  (``tandem_drafters.mtp``) only launches drafts (``DraftHead.launch``).
 
 ``supports_tree(engine)``, ``supports_resume(engine)`` and ``supports_mtp(engine)`` read the flags and
 narrow the type (``TypeIs``), so a caller needs neither ``hasattr`` nor a ``# type: ignore``. Every
@@ -42,7 +43,7 @@ from tandem_core.state import ModelState
 __all__ = [
     "Capabilities", "MemoryPart", "Manifest", "Engine", "TreeEngine", "ResumableEngine", "KVInfo",
     "TreeOut", "Trace", "restore_state", "supports_tree", "supports_resume", "source_files", "op_paths",
-    "tensor_bytes", "DraftHead", "HeadRows", "MTPEngine", "supports_mtp",
+    "tensor_bytes", "DraftHead", "HeadRows", "MTPEngine", "supports_mtp", "head_append", "head_launch",
 ]
 
 
@@ -64,6 +65,7 @@ class Capabilities:
     graph_widths: tuple[int, ...] = ()  # verify widths captured as CUDA graphs (decode is width 1); (): eager
     hidden_size: int = 0        # the width of the hidden rows (a drafter's taps); 0: not said
     mtp: int = 0                # decoder layers of the MTP head ``mtp_head()`` offers (0: no head)
+    mtp_graphs: bool = False    # the head's draft steps run as CUDA graphs (``DraftHead.graphed``)
 
 
 def source_files(*things: Any) -> set[str]:
@@ -247,21 +249,46 @@ class DraftHead(Protocol):
     Row ``i`` reads ``(x_{i+1}, h_i)``: the token after position ``i`` and the target's row at ``i``
     (``reads``: None for the hidden state after the final norm, ``Rows.hidden``; a layer index for that
     layer's tapped rows, ``Rows.taps``); its logits are the head's guess at ``x_{i+2}``. A deeper draft
-    step feeds a row's ``carry`` and its guessed token back at ``i + 1``. ``run`` writes the head's own
-    KV rows at ``start ..`` (``views``: tensor and token axis, ``max_context`` positions); what it
-    attends to is the head's rows ``0 .. start + T - 1``, so the caller keeps those rows true for the
-    sequence (``tandem_drafters.mtp``). One row is the decode form, several the prefill form.
+    step feeds a row's ``carry`` and its guessed token back at ``i + 1``.
+
+    Its state, for a sequence of ``n`` tokens: its KV rows ``0 .. n - 2`` (``views``: tensor and token
+    axis, ``max_context`` positions; row ``n - 1`` waits for ``x_n``) and the target's row at ``n - 1``
+    (``sections``: ``mtp.hidden [1, D]``, what row ``n - 1`` will read). The engine keeps both true
+    (``append`` after every forward and commit) and makes them part of its ``ModelState``, so a restore
+    from any cache tier brings them back with the target's rows. ``launch`` drafts from that state; the
+    rows it writes past ``n - 1`` are scratch (the next ``append`` rewrites them).
     """
 
     layers: int                 # decoder layers; draft depth k runs layer k % layers
     reads: int | None           # None: the target's hidden after the final norm; else the tapped layer
     width: int                  # D, the features of a row it reads
     max_context: int
+    graphed: bool               # launch (and a short append) replays CUDA graphs (``caps.mtp_graphs``)
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0,
             logits: bool = True) -> HeadRows:
         """``tokens [T]`` (each row's next token) and ``hidden [T, D]`` at positions ``start ..``; ``logits``
-        False: the rows only (a capture that only fills the head's KV rows skips the output head)."""
+        False: the rows only (a capture that only fills the head's KV rows skips the output head). The
+        reference form; writes the head's KV rows there."""
+        ...
+
+    def append(self, tokens: torch.Tensor, rows: torch.Tensor, start: int, *, decode_form: bool = False) -> None:
+        """The sequence appended ``tokens [T]`` at positions ``start ..`` whose target rows are ``rows [T, D]``:
+        the head's rows ``start - 1 .. start + T - 2`` (the first reads ``mtp.hidden``; none when ``start``
+        is 0), then ``mtp.hidden`` <- ``rows[-1]``. ``decode_form``: each row as a one-row step would compute
+        it (a commit's rows then equal plain decoding's bit for bit, as the self-check compares them)."""
+        ...
+
+    def launch(self, token: int, position: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``depth`` chained draft steps for a sequence of ``position + 1`` tokens whose pending token is
+        ``token``: depth 0 is row ``position`` (``token`` and ``mtp.hidden``), depth ``k`` reads depth
+        ``k - 1``'s top token and carry at ``position + k``. Returns the top two tokens ``[depth, 2]`` int64
+        and their probabilities ``[depth, 2]`` fp32 on the head's device, launched, not waited for (valid
+        until the next launch)."""
+        ...
+
+    def sections(self) -> dict[str, torch.Tensor]:
+        """The head's sections: ``mtp.hidden [1, D]``, the target's row at the sequence's last position."""
         ...
 
     def views(self) -> dict[str, tuple[torch.Tensor, int]]:
@@ -272,18 +299,48 @@ class DraftHead(Protocol):
         ...
 
 
+def head_append(head: DraftHead, tokens: torch.Tensor, rows: torch.Tensor, start: int, chunk: int = 512,
+                decode_form: bool = False) -> None:
+    """``DraftHead.append`` over the head's reference ``run`` (``chunk`` rows a call, one with ``decode_form``;
+    ``logits`` off)."""
+    hidden = head.sections()["mtp.hidden"]
+    T = int(tokens.numel())
+    if T == 0:
+        return
+    rows = rows.to(hidden.dtype)
+    if start > 0:
+        at, src = start - 1, torch.cat([hidden, rows[:-1]])                 # row start-1 reads the section
+        ids = tokens
+    else:
+        at, src, ids = 0, rows[:-1], tokens[1:]
+    step = 1 if decode_form else chunk
+    for s in range(0, int(ids.numel()), step):
+        head.run(ids[s:s + step], src[s:s + step], at + s, logits=False)
+    hidden.copy_(rows[-1:])
+
+
+def head_launch(head: DraftHead, token: int, position: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DraftHead.launch`` over the head's reference ``run``: one call a depth, the top two by softmax."""
+    hidden = head.sections()["mtp.hidden"]
+    tok = torch.tensor([int(token)], dtype=torch.long, device=hidden.device)
+    carry = hidden
+    tokens, probs = [], []
+    for k in range(depth):
+        out = head.run(tok, carry, position + k, layer=k % max(1, int(head.layers)))
+        assert out.logits is not None
+        top = torch.softmax(out.logits[-1].float(), dim=-1).topk(2)
+        tokens.append(top.indices)
+        probs.append(top.values)
+        tok, carry = top.indices[:1], out.carry[-1:]
+    return torch.stack(tokens), torch.stack(probs)
+
+
 @runtime_checkable
 class MTPEngine(TreeEngine, Protocol):
-    """A tree engine with an MTP head (``caps.mtp``)."""
+    """A tree engine with an MTP head (``caps.mtp``), whose rows it keeps true for its sequence."""
 
     def mtp_head(self) -> DraftHead:
-        """The head (one per engine: its KV rows follow this engine's sequence)."""
-        ...
-
-    def appended_rows(self) -> tuple[int, torch.Tensor]:
-        """``(start, rows [T, D])``: what the head reads of the tokens the last ``forward`` or
-        ``commit_tree`` appended, at positions ``start .. start + T - 1`` (tokens taken back since are cut
-        off; after a reset, a restore or a resume: ``(length, [0, D])``). Valid until the next forward."""
+        """The head (one per engine: its rows follow this engine's sequence)."""
         ...
 
 

@@ -20,9 +20,12 @@ The engine owns the sequence; the runner only computes (``tandem_core.engine.run
     traces               ``trace_forward`` / ``trace_tree`` (the self-check's ``LayerTrace``), when the
                          runner honours ``capture`` (``spec.trace``)
     an MTP head          given at construction (``head=``, a ``DraftHead``): ``caps.mtp``, ``mtp_head()``
-                         and ``appended_rows()`` (``tandem_core.engine.base.MTPEngine``): the rows the head
-                         reads of the tokens the last forward or commit appended, from that call's own
-                         rows (the head's layer is tapped for as long as the engine lives)
+                         (``tandem_core.engine.base.MTPEngine``). Every forward chunk and every commit
+                         hands the head the rows it reads of the tokens it appended (``DraftHead.append``:
+                         that call's own rows; the head's layer is tapped for as long as the engine
+                         lives), so the head's rows always hold the sequence; its sections and views
+                         (``mtp.hidden``, ``mtp.K``, ...) are the live state's too: every cache tier saves
+                         and restores them, and a rollback of pending tokens puts ``mtp.hidden`` back
 
 Hot verbs: ``forward``, ``forward_tree``, ``forward_block``, ``commit_tree``, ``rollback_to``, ``picks``,
 ``hidden_post_norm``, ``hidden_at``, ``kv.length``, ``state``, ``reset``. Cold verbs: ``caps``,
@@ -94,6 +97,7 @@ class _Pending:
 
     start: int
     kept: list[Any] = field(default_factory=list)
+    head: list[torch.Tensor] = field(default_factory=list)   # the MTP head's read rows a commit (with a head)
 
 
 class SequenceEngine:
@@ -107,6 +111,15 @@ class SequenceEngine:
         self.runner = runner
         self.name = name or type(runner).__name__
         sections, views = runner.buffers()
+        self._runner_recurrent = bool(sections)
+        if head is not None:
+            sections, views = dict(sections), dict(views)
+            own = {**head.sections(), **{k: View(t, axis) for k, (t, axis) in head.views().items()}}
+            clash = sorted(set(own) & (set(sections) | set(views)))
+            if clash:
+                raise ValueError(f"{self.name}: the MTP head's state names {clash} are the runner's too")
+            sections.update(head.sections())
+            views.update({k: View(t, axis) for k, (t, axis) in head.views().items()})
         self._state = _LiveState(sections, views, self._forget)
         self.kv = _KV(self._state)
         self._recurrent = bool(sections)
@@ -122,18 +135,9 @@ class SequenceEngine:
             hidden_layers=spec.hidden_layers, device=spec.device, dtype=spec.dtype,
             workspace_bytes_per_token=spec.workspace_bytes_per_token, trace=spec.trace,
             prefill_chunk=spec.prefill_chunk, graph_widths=spec.graph_widths, hidden_size=spec.hidden_size,
-            mtp=0 if head is None else int(head.layers))
+            mtp=0 if head is None else int(head.layers), mtp_graphs=head is not None and bool(head.graphed))
         self._head = head
-        # the MTP head's rows: None after a forward (all rows), a commit's path, or () (none: state changed)
-        self._appended: tuple[int, ...] | None = ()
-        self._appended_start = 0
-        # the head's rows of consecutive prefill forwards (a prompt run in chunks with safe points between
-        # them), until the drafter takes them: positions _appended_start .. + _head_count - 1, the earlier
-        # calls' copied (_head_rows), the last call's as the runner returned them (_head_last)
-        self._head_rows: list[torch.Tensor] = []
-        self._head_last: torch.Tensor | None = None
-        self._head_count = 0
-        self._taken = False
+        self._tree_ids: torch.Tensor | None = None     # the verified tree's tokens (the head's, at its commit)
         if head is not None:
             self._check_head(head)
             if head.reads is not None:
@@ -205,11 +209,14 @@ class SequenceEngine:
             if self._recurrent:
                 self._keep_sections()
         kept = self.runner.commit(tree, idx)
-        if self._recurrent:
+        if self._runner_recurrent:
             self._pending.kept.append(kept)
         self._state.length = tree.start + len(idx)
-        self._appended, self._appended_start = tuple(idx), tree.start
-        self._head_rows, self._head_last, self._head_count = [], None, 0
+        if self._head is not None and self._tree_ids is not None:
+            at = torch.tensor(idx, dtype=torch.long)
+            rows = self._head_rows().index_select(0, at.to(self._head_rows().device))
+            self._pending.head.append(rows)
+            self._head.append(self._tree_ids.index_select(0, at), rows, tree.start, decode_form=True)
 
     @torch.inference_mode()
     def rollback_to(self, n: int) -> None:
@@ -237,7 +244,14 @@ class SequenceEngine:
         for k, t in self._state.sections.items():
             t.copy_(self._keep[k])
         keep = n - pend.start
-        pend.kept = [self.runner.replay(pend.kept, keep)] if keep else []
+        if self._runner_recurrent:
+            pend.kept = [self.runner.replay(pend.kept, keep)] if keep else []
+        if self._head is not None:
+            # the head's rows up to n - 2 were computed from the kept tokens; its section is the row at n - 1
+            rows = torch.cat(pend.head)[:keep] if pend.head else None
+            pend.head = [rows] if keep and rows is not None else []
+            if keep and rows is not None:
+                self._head.sections()["mtp.hidden"].copy_(rows[-1:])
         self._state.length = int(n)
 
     def picks(self, logits: torch.Tensor) -> torch.Tensor:
@@ -269,32 +283,10 @@ class SequenceEngine:
             raise RuntimeError(f"mtp_head: {self.name} was built without an MTP head (caps.mtp is 0)")
         return self._head
 
-    def appended_rows(self) -> tuple[int, torch.Tensor]:
-        """``(start, rows [T, D])``: what the MTP head reads (``hidden_post_norm`` or the tapped layer
-        ``head.reads``) of the tokens the last ``forward`` or ``commit_tree`` appended (a prompt forwarded in
-        several calls, each of two tokens or more, counts as one forward until these rows are taken), at
-        positions ``start ..``; tokens taken back since are cut off; ``(length, [0, D])`` after a reset, a
-        restore, a resume, or when the last call was a verify not yet committed. Valid until the next
-        forward."""
-        head = self.mtp_head()
-        n = self.kv.length
-        picked = self._appended
-        if picked == () or self._tree is not None:
-            return n, self._empty_rows(head)
-        self._taken = True
-        if picked is None:
-            if self._head_last is None:
-                return n, self._empty_rows(head)
-            rows = torch.cat([*self._head_rows, self._head_last]) if self._head_rows else self._head_last
-        else:
-            rows = self.hidden_post_norm() if head.reads is None else self.hidden_at(head.reads)
-            rows = rows.index_select(0, torch.tensor(picked, dtype=torch.long, device=rows.device))
-        start = self._appended_start
-        keep = max(0, min(rows.shape[0], n - start))
-        return start, rows[:keep]
-
-    def _empty_rows(self, head: DraftHead) -> torch.Tensor:
-        return torch.zeros(0, head.width, device=self.caps.device)
+    def _head_rows(self) -> torch.Tensor:
+        """The last call's rows the MTP head reads (``hidden_post_norm`` or its tapped layer's)."""
+        assert self._head is not None
+        return self.hidden_post_norm() if self._head.reads is None else self.hidden_at(self._head.reads)
 
     @property
     def state(self) -> ModelState:
@@ -304,6 +296,9 @@ class SequenceEngine:
     def reset(self) -> None:
         """Forget the sequence: length 0, sections zero, no tree, nothing pending."""
         self.runner.reset()
+        if self._head is not None:
+            for t in self._head.sections().values():
+                t.zero_()
         self._state.length = 0
         self._hidden, self._hidden_cat = [], None
         self._taps = {k: [] for k in self._taps}
@@ -427,14 +422,6 @@ class SequenceEngine:
         self.settle()
         self._tree = None
         self._clear_rows()
-        # a prompt's next chunk continues the rows the head has not taken yet; anything else starts afresh
-        follows = (self._head is not None and self._appended is None and not self._taken
-                   and self._head_count >= 2 and self._appended_start + self._head_count == n)
-        if not follows:
-            self._appended_start, self._head_rows, self._head_last, self._head_count = n, [], None, 0
-        elif self._head_last is not None:   # maybe a view of the runner's buffers, which its next call reuses
-            self._head_rows.append(self._head_last.clone())
-        self._appended, self._taken = None, False
         logits: list[torch.Tensor] = []
         chunk = self.caps.prefill_chunk
         for s in range(0, T, chunk):
@@ -447,12 +434,11 @@ class SequenceEngine:
                 rows = self.runner.prefill(piece, step, logits=want, capture=capture)
             self._state.length = step.end
             self._got(rows)
+            if self._head is not None:
+                head_rows = rows.hidden if self._head.reads is None else rows.taps[self._head.reads]
+                self._head.append(piece, head_rows, step.start)       # ids on the host, rows on the device
             if rows.logits is not None and (all_logits or s + chunk >= T):
                 logits.append(rows.logits if all_logits else rows.logits[-1:])
-        if self._head is not None:
-            self._head_last = (self.hidden_post_norm() if self._head.reads is None
-                               else self.hidden_at(self._head.reads))
-            self._head_count += T
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     @torch.inference_mode()
@@ -471,7 +457,7 @@ class SequenceEngine:
             raise ContextFull(f"forward_tree: {n} tokens held + a path of {max(depth) + 1} exceed the engine's "
                               f"context of {self.caps.max_context}")
         self._tree = None
-        self._appended = ()
+        self._tree_ids = ids
         step = TreeStep(n, tuple(par), tuple(depth), tuple(_tree.preorder(par)))
         rows = self.runner.verify(ids, step, capture=capture)
         self._clear_rows()
@@ -483,8 +469,6 @@ class SequenceEngine:
     def _forget(self) -> None:
         self._tree = None
         self._pending = None
-        self._appended = ()
-        self._head_rows, self._head_last, self._head_count = [], None, 0
 
     def __repr__(self) -> str:
         c = self.caps

@@ -32,15 +32,15 @@ from tandem_core.serving import Served
 from tandem_core.spec.cut import StairCut
 from tandem_core.spec.speculate import SpecStats, Speculation
 
-__all__ = ["ServerSpeculation", "SpecOptions", "build_speculation", "parse_spec", "resolve_drafters"]
+__all__ = ["ServerSpeculation", "SpecOptions", "build_speculation", "mtp_pays", "parse_spec", "resolve_drafters"]
 
 log = logging.getLogger("tandem.spec")
 
 
 @dataclass(frozen=True)
 class SpecOptions:
-    """``drafters``: names registered through ``tandem_drafters`` (empty: off; ``auto``: lookup and every
-    drafter the model's registry entry ships, see ``resolve_drafters``), merged into one tree each round;
+    """``drafters``: names registered through ``tandem_drafters`` (empty: off; ``auto``: lookup, the MTP head
+    where it pays, and every drafter the model's registry entry ships, see ``resolve_drafters``), merged into one tree each round;
     ``max_tree``: the most drafted nodes one verify carries; ``selfcheck``: run the load-time self-check
     (never skip it in production: it is what makes speculation provably lossless on this engine)."""
 
@@ -140,19 +140,31 @@ def parse_spec(spec: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def resolve_drafters(names: Sequence[str], model_id: str) -> tuple[str, ...]:
-    """``auto`` becomes ``lookup`` plus every drafter the model's registry entry ships whose files are on this
-    machine (``drafters:`` in model.yaml, fetched by ``tandem pull``); other names stay as given."""
+def resolve_drafters(names: Sequence[str], model_id: str, caps: Any = None) -> tuple[str, ...]:
+    """``auto`` becomes ``lookup``, then ``mtp`` when the engine's MTP head pays for itself (``mtp_pays``:
+    ``caps``, the engine's ``Capabilities``), then every drafter the model's registry entry ships whose files
+    are on this machine (``drafters:`` in model.yaml, fetched by ``tandem pull``); other names stay as given."""
+    auto = ["lookup", *(("mtp",) if caps is not None and mtp_pays(caps) else ())]
     out: list[str] = []
     for name in names:
         if name != "auto":
             if name not in out:
                 out.append(name)
             continue
-        for extra in ("lookup", *shipped_drafters(model_id)):
+        for extra in (*auto, *shipped_drafters(model_id)):
             if extra not in out:
                 out.append(extra)
     return tuple(out)
+
+
+def mtp_pays(caps: Any) -> bool:
+    """Whether ``--spec auto`` drafts with the engine's MTP head: it has one (``caps.mtp``) and a draft step
+    costs a small part of a target step, which holds where the step is a CUDA graph replay (``caps.mtp_graphs``)
+    or runs on the CPU. Both read what the head reads (its decoder layer and the shared output head: ~3 GB of
+    the 27B's ~54 GB, ~6% of a decode step at the bandwidth floor). An eager head on a GPU does not pay: on
+    the H200 its step is launch-bound, 2.3-4.1 ms against a 13.8 ms decode step (``docs/measurements/
+    h200-mtp.md``), so a depth-3 round would cost two thirds of the step it tries to save."""
+    return int(caps.mtp) > 0 and (bool(caps.mtp_graphs) or str(caps.device).split(":")[0] == "cpu")
 
 
 def shipped_drafters(model_id: str) -> tuple[str, ...]:
@@ -178,7 +190,7 @@ def build_speculation(served: Served, engines: Sequence[Any], options: SpecOptio
     one (in a background thread: the server listens at once and decodes plainly until the check
     passes), else on the first engine before the server listens."""
     n = len(engines)
-    names = resolve_drafters(options.drafters, served.model_id)
+    names = resolve_drafters(options.drafters, served.model_id, engines[0].caps if engines else None)
     if not names:
         return _off("--spec off", n, names, 0)
     caps = engines[0].caps

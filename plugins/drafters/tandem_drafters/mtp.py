@@ -4,33 +4,24 @@ A Qwen3.8 or Flash-Next checkpoint may ship an MTP head (``mtp.*``: vLLM's Qwen3
 design). Its row ``i`` reads the token after position ``i`` and the target's row at ``i`` and guesses the
 token after that; a deeper step feeds its own output row and guess back one position on. The family
 supplies the arithmetic (a ``tandem_core.engine.base.DraftHead``) and offers it through its engine
-(``MTPEngine``: ``caps.mtp``, ``supports_mtp``); this drafter, the same for every family, keeps the
-head's own KV rows true for the sequence and proposes:
+(``MTPEngine``: ``caps.mtp``, ``supports_mtp``).
 
-    depth        chained head steps a round (``depth`` option, default 3)
-    prime        a new sequence (``begin``): the rows of the common prefix with the last one are kept
-    capture      after a forward or a commit (``accepted``, and the first round): the target's rows of the
-                 appended tokens (``engine.appended_rows()``, from the forwards or the verify that computed
-                 them: no extra target pass; a prompt's prefill chunks come as one) -> the head's rows for every position whose next token is
-                 known; the last position's row waits for its next token
-    launch       the round's pending token -> the last position's row (depth 1) and ``depth - 1`` chained
-                 steps, each from the previous step's top token and output row
-    read         the top two tokens and their probabilities at each depth, ``[depth, 2]``
-    resume(n)    the head's rows past ``n`` are forgotten (they are recomputed when the target's rows for
-                 them come again)
-    views        the head's own KV rows (tensor, token axis), ``max_context`` positions, engine's device
+The engine keeps the head's rows true for its sequence (every forward and commit appends them, from that
+call's own target rows) and holds them in its state (``mtp.hidden`` a section, ``mtp.K`` / ``mtp.V`` views):
+a prefix restored from any cache tier brings the head's rows with it, so the drafts after a restore are
+those after a cold prefill. This drafter only proposes:
+
+    depth        chained head steps a round (``depth`` option, default 3; a round's ``max_nodes`` caps it)
+    launch       the round's pending token -> the head's row at the engine's last position (depth 1) and
+                 ``depth - 1`` chained steps, each from the previous step's top token and output row
+                 (``DraftHead.launch``: on CUDA one graph replay, nothing read back until ``read``)
+    read         the top two tokens and their probabilities at each depth, ``[depth, 2]`` (the one host sync)
 
 The proposal is a chain of each depth's top token, with the second token as a sibling leaf wherever the
 top one's probability is below ``branch_below`` (default 0.75): at most ``2 * depth`` nodes, each with
-the head's probability given its parent's path (the cut weighs them). The head's rows past the sequence
-(the deeper steps') are scratch: a later capture rewrites them.
-
-The head's rows are the drafter's, not the engine's state: the caches neither save nor restore them.
-Where the target never computed positions on this engine (a prefix restored from a cache tier this
-engine's head did not see; a prompt run in chunks still reaches the head whole, and a prefix it saw in
-an earlier turn stays), those rows keep what they held and the head attends to them as they are: its drafts get worse there, never the answer (the target decides
-every token). On random weights a head's drafts are essentially never accepted: its worth can only be
-measured on a trained checkpoint; ``tools/bench_mtp.py`` measures its cost a round.
+the head's probability given its parent's path (the cut weighs them). On random weights a head's drafts
+are essentially never accepted: its worth can only be measured on a trained checkpoint;
+``tools/bench_mtp.py`` measures its cost a round.
 """
 
 from __future__ import annotations
@@ -77,106 +68,31 @@ class MTPDrafter:
         self.head: DraftHead = eng.mtp_head()
         self.depth = int(depth)
         self.branch_below = float(branch_below)
-        self._device = torch.device(eng.caps.device)
-        self._chunk = max(1, int(eng.caps.prefill_chunk) or 512)
-        self._tokens: list[int] = []            # the sequence as told (begin + accepted)
-        self._valid = 0                         # the head's rows 0 .. valid - 1 are the sequence's
-        self._last: torch.Tensor | None = None  # [1, D] the target's row at position valid, waiting
         self._draft: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def requires(self) -> Requirements:
         return Requirements(mtp=True)
 
-    def views(self) -> dict[str, tuple[torch.Tensor, int]]:
-        return self.head.views()
-
-    # -- the sequence -------------------------------------------------------------------------------
+    # -- the sequence (the engine keeps the head's rows: nothing to follow here) ----------------------
     def reset(self) -> None:
-        self._tokens = []
-        self._valid = 0
-        self._last = None
-        self._draft = None
-
-    def resume(self, n: int) -> None:
-        """Forget the head's rows (and a waiting target row) past ``n``."""
-        if n < self._valid or (self._last is not None and n <= self._valid):
-            self._last = None
-        self._valid = min(self._valid, max(0, int(n)))
-
-    def prime(self, prompt_ids: Sequence[int]) -> None:
-        """A new sequence, exactly ``prompt_ids``: the rows whose inputs it shares with the last one stay."""
-        prompt = [int(t) for t in prompt_ids]
-        old = self._tokens
-        cp = 0
-        m = min(len(old), len(prompt))
-        while cp < m and old[cp] == prompt[cp]:
-            cp += 1
-        self.resume(max(0, cp - 1))        # row i reads x_{i+1}: it stands while both sequences agree there
-        self._tokens = prompt
         self._draft = None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        # runs beside the prefill (SpecDecode indexes the prompt in a thread): bookkeeping only, no tensors
-        self.prime(prompt_ids)
+        self._draft = None
 
     def accepted(self, tokens: Sequence[int]) -> None:
-        self._tokens.extend(int(t) for t in tokens)
-        self.capture()
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Take the target's rows of the tokens the engine's last forward or commit appended: the head's row
-        for every such position but the last, whose next token is not known yet (it waits)."""
-        start, rows = self.engine.appended_rows()
-        n = len(self._tokens)
-        if self._last is not None and self._valid + 1 < n:
-            # the waiting row's next token came (a round the drafter was not asked to propose for)
-            ids = torch.tensor([self._tokens[self._valid + 1]], dtype=torch.long, device=self._device)
-            self.head.run(ids, self._last, self._valid, logits=False)
-            self._valid, self._last = self._valid + 1, None
-        T = min(int(rows.shape[0]), n - start)
-        if T <= 0 or start < 0:
-            return
-        if start > self._valid:
-            # positions the head never saw on this engine: their rows stay as they are
-            self._valid, self._last = start, None
-        elif start < self._valid:
-            self._valid, self._last = start, None
-        end = start + T - 1               # the last appended position: its row waits for the next token
-        at = self._valid
-        while at < end:
-            stop = min(end, at + self._chunk)
-            ids = torch.tensor(self._tokens[at + 1:stop + 1], dtype=torch.long, device=self._device)
-            self.head.run(ids, rows[at - start:stop - start], at, logits=False)
-            at = stop
-        self._valid = end
-        self._last = rows[end - start:end - start + 1].clone()
+        self._draft = None
 
     @torch.inference_mode()
     def launch(self, token: int, depth: int | None = None) -> bool:
-        """The round's pending ``token`` (the one after the last captured position): depth 1 from the waiting
-        row, then ``depth - 1`` chained steps (``depth``: this round's, at most the drafter's). False when no
-        target row is waiting (nothing to draft from)."""
-        if self._last is None:
+        """Draft from the engine's sequence with ``token`` pending: ``depth`` chained head steps (at most the
+        drafter's, and what the head's rows hold past the sequence). False when the engine holds no token."""
+        held = int(self.engine.kv.length)
+        want = self.depth if depth is None else max(1, min(self.depth, int(depth)))
+        want = min(want, self.head.max_context - held + 1)
+        if held < 1 or want < 1:
             return False
-        at, layers = self._valid, max(1, int(self.head.layers))
-        tok = torch.tensor([int(token)], dtype=torch.long, device=self._device)
-        hidden = self._last
-        tokens, probs = [], []
-        for k in range(self.depth if depth is None else max(1, min(self.depth, int(depth)))):
-            if at + k >= self.head.max_context:
-                break
-            out = self.head.run(tok, hidden, at + k, layer=k % layers)
-            assert out.logits is not None
-            top = torch.softmax(out.logits[-1].float(), dim=-1).topk(2)
-            tokens.append(top.indices)
-            probs.append(top.values)
-            tok, hidden = top.indices[:1], out.carry[-1:]
-            if k == 0:                    # row `at` read the sequence's own token and row: it stands
-                self._valid, self._last = at + 1, None
-        if not tokens:
-            return False
-        self._draft = (torch.stack(tokens), torch.stack(probs))
+        self._draft = self.head.launch(int(token), held - 1, want)
         return True
 
     def read(self) -> Draft:
@@ -190,12 +106,9 @@ class MTPDrafter:
     def propose(self, context_ids: Sequence[int], max_nodes: int) -> Proposal:
         if max_nodes <= 0 or len(context_ids) < 2:
             return Proposal.empty(self.name)
-        held = len(context_ids) - 1       # the engine holds all but the pending last token
-        if held != len(self._tokens) or int(context_ids[held - 1]) != self._tokens[-1]:
-            self.prime(context_ids[:held])
-        if self._last is None or self._valid != held - 1:
-            self.capture()                # the first round: the prefill's rows
-        if self._valid != held - 1 or not self.launch(int(context_ids[-1]), depth=max_nodes):
+        if int(self.engine.kv.length) != len(context_ids) - 1:
+            return Proposal.empty(self.name)     # the engine holds all but the pending token, or this is not its sequence
+        if not self.launch(int(context_ids[-1]), depth=max_nodes):
             return Proposal.empty(self.name)
         return self.tree(self.read(), max_nodes)
 

@@ -15,8 +15,10 @@ written from that design on transformers' own qwen4_exp modules, ``tests/mtp_ref
 A deeper draft step reads the head's own streams ``u`` of the step before at position ``i + k``.
 The tensors and what is refused are in ``tandem_flashnext.layout``.
 
-The head keeps its own K, V and indexer keys for ``max_context`` positions (views, like the
-target's). ``forward`` appends rows at ``start ..`` in the prefill form (several rows, batched)
+The head keeps its own K, V and indexer keys for ``max_context`` positions (views ``mtp.K``,
+``mtp.V``, ``mtp.IK``, like the target's) and the target's streams at the sequence's last position
+(section ``mtp.hidden``): the engine's state holds them, so every cache tier saves and restores them.
+``append`` / ``launch`` are the ``DraftHead`` verbs the engine and the drafter drive. ``forward`` appends rows at ``start ..`` in the prefill form (several rows, batched)
 or the decode form (one row, ``linear_rows``); ``draft`` chains ``depth`` decode steps and
 returns the top two tokens and probabilities of each depth.
 """
@@ -30,7 +32,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from tandem_core import ops
-from tandem_core.engine import HeadRows, MemoryPart, Step, tensor_bytes
+from tandem_core.engine import HeadRows, MemoryPart, Step, head_append, tensor_bytes
 from tandem_core.ops import rope as _rope
 
 from tandem_flashnext.blocks import decoder_block, hyper_mix
@@ -143,6 +145,23 @@ class MTPHead:
         self.layers = L
         self.reads: int | None = cfg.num_hidden_layers - 1      # the streams after the last decoder layer
         self.width = cfg.hc_dim
+        self._hidden = torch.zeros(1, cfg.hc_dim, dtype=self.act_dtype, device=self.device)
+
+    graphed = False
+
+    def sections(self) -> dict[str, torch.Tensor]:
+        """``mtp.hidden [1, n*H]``: the target's streams at the sequence's last position."""
+        return {"mtp.hidden": self._hidden}
+
+    @torch.no_grad()
+    def append(self, tokens: torch.Tensor, rows: torch.Tensor, start: int, *, decode_form: bool = False) -> None:
+        """``DraftHead.append``: the head's rows ``start - 1 ..`` of appended tokens, in the prefill form."""
+        head_append(self, tokens.reshape(-1).to(self.device), rows, int(start), decode_form=decode_form)
+
+    def launch(self, token: int, position: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``DraftHead.launch``: ``draft`` from ``mtp.hidden``."""
+        d = self.draft(token, self._hidden, position, depth)
+        return d.tokens, d.probs
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0,
             logits: bool = True) -> HeadRows:
@@ -154,7 +173,7 @@ class MTPHead:
     def memory_parts(self) -> list[MemoryPart]:
         dev = str(self.device)
         return [MemoryPart("mtp.weights", self.w.nbytes, dev),
-                MemoryPart("mtp.kv", tensor_bytes(self._K, self._V, self._IK), dev)]
+                MemoryPart("mtp.kv", tensor_bytes(self._K, self._V, self._IK, self._hidden), dev)]
 
     def views(self) -> dict[str, tuple[torch.Tensor, int]]:
         """The head's own rows (tensor, token axis): ``mtp.K``, ``mtp.V`` (axis 2), ``mtp.IK`` (axis 1)."""

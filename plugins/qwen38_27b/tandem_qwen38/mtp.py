@@ -16,8 +16,11 @@ with its guessed token, and runs layer ``k % layers``. The tensors and what is r
 written from that design in the tests (``tests/mtp_reference_qwen38.py``).
 
 ``MTPHead`` is a ``DraftHead`` (``tandem_core.engine.base``): its own K and V for ``max_context``
-positions (views), ``run`` appends rows at ``start ..`` in the prefill form (several rows, batched) or the
-decode form (one row, ``linear_rows``).
+positions (views ``mtp.K``, ``mtp.V``) and the target's row at the sequence's last position (section
+``mtp.hidden``), all part of the engine's state; ``run`` writes rows at ``start ..`` in the prefill form
+(several rows, batched) or the decode form (one row, ``linear_rows``); ``append`` and ``launch`` drive it
+for the engine and the drafter (``head_append``, ``head_launch``). On CUDA ``tandem_qwen38.mtp_cuda``'s
+``CudaMTPHead`` runs the same arithmetic as CUDA graphs over the same buffers.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from tandem_core import ops
-from tandem_core.engine import HeadRows, MemoryPart, Step, tensor_bytes
+from tandem_core.engine import HeadRows, MemoryPart, Step, head_append, head_launch, tensor_bytes
 from tandem_core.linear import Linear, make_linear
 from tandem_core.ops import rope as _rope
 from tandem_core.ops.attention import causal_mask
@@ -124,8 +127,10 @@ class MTPHead:
     """The MTP head over the target's ``Qwen38Weights`` (embedding and head) and its own ``MTPWeights``, with
     its own K and V rows for ``max_context`` positions. One sequence; a ``DraftHead``."""
 
+    graphed = False
+
     def __init__(self, cfg: Qwen38Config, target: Qwen38Weights, weights: MTPWeights, *,
-                 max_context: int) -> None:
+                 max_context: int, slack: int = 0) -> None:
         if not weights.layers:
             raise ValueError("MTP head: no decoder layers")
         self.cfg, self.target, self.w = cfg, target, weights
@@ -135,19 +140,35 @@ class MTPHead:
         self.reads: int | None = None             # the target's hidden state after its final norm
         self.width = cfg.hidden_size
         self._op: dict[str, Callable[..., Any]] = {name: ops.get(name, self.device) for name in MTP_OPS}
-        shape = (self.layers, cfg.num_key_value_heads, self.max_context, cfg.head_dim)
+        # ``slack`` positions past max_context: the padded rows of a graph's fixed width land there
+        shape = (self.layers, cfg.num_key_value_heads, self.max_context + int(slack), cfg.head_dim)
         self._K = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
         self._V = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
+        self._hidden = torch.zeros(1, cfg.hidden_size, dtype=self.act_dtype, device=self.device)
         self._inv_freq = _rope.inv_freq(cfg.rotary_dim, cfg.rope_theta, self.device)
 
     def views(self) -> dict[str, tuple[torch.Tensor, int]]:
         """The head's own rows (tensor, token axis): ``mtp.K``, ``mtp.V`` (axis 2)."""
         return {"mtp.K": (self._K, 2), "mtp.V": (self._V, 2)}
 
+    def sections(self) -> dict[str, torch.Tensor]:
+        """``mtp.hidden [1, H]``: the target's row at the sequence's last position (what the next row reads)."""
+        return {"mtp.hidden": self._hidden}
+
     def memory_parts(self) -> list[MemoryPart]:
         dev = str(self.device)
         return [MemoryPart("mtp.weights", self.w.nbytes, dev),
-                MemoryPart("mtp.kv", tensor_bytes(self._K, self._V), dev)]
+                MemoryPart("mtp.kv", tensor_bytes(self._K, self._V, self._hidden), dev)]
+
+    @torch.no_grad()
+    def append(self, tokens: torch.Tensor, rows: torch.Tensor, start: int, *, decode_form: bool = False) -> None:
+        """``DraftHead.append``: the head's rows ``start - 1 ..`` of appended tokens, in the prefill form."""
+        head_append(self, tokens.reshape(-1).to(self.device), rows, int(start), decode_form=decode_form)
+
+    @torch.no_grad()
+    def launch(self, token: int, position: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``DraftHead.launch``: ``depth`` decode-form steps from ``mtp.hidden`` at ``position``."""
+        return head_launch(self, int(token), int(position), int(depth))
 
     @torch.no_grad()
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, *, layer: int = 0,

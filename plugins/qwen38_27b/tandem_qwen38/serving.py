@@ -12,7 +12,9 @@ verify, default 64).
 
 A checkpoint's MTP head (``mtp.*``, ``tandem_qwen38.mtp``) is audited with the rest, loaded beside the
 target and offered through the engine (``caps.mtp``, ``mtp_head()``), each engine with the head's own KV
-rows; ``--spec mtp`` drafts with it (``tandem_drafters.mtp``).
+rows (its CUDA graphs beside the CUDA graph runner, ``tandem_qwen38.mtp_cuda``); ``--spec mtp`` drafts with it
+(``tandem_drafters.mtp``), and ``--spec auto`` includes it where its drafts are graphs or on the CPU
+(``tandem_core.server.speculation.resolve_drafters``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tandem_qwen38.model import Qwen38Runner
 from tandem_qwen38.mtp import MTPHead, MTPWeights, load_mtp
 from tandem_qwen38.weights import Qwen38Weights, load_weights, normalise_dtype, open_checkpoint
 
-__all__ = ["serve", "ServeError", "think_in_prompt", "build_engine", "make_runner", "prefill_chunk_for",
+__all__ = ["serve", "ServeError", "think_in_prompt", "build_engine", "make_runner", "make_head", "prefill_chunk_for",
            "CPU_PREFILL_CHUNK", "CUDA_PREFILL_CHUNK"]
 
 CPU_PREFILL_CHUNK = 512      # the CPU path's chunk (memory for the chunk's activations stays small)
@@ -65,9 +67,23 @@ def build_engine(cfg: Qwen38Config, weights: Qwen38Weights, max_context: int, pr
                  max_tree: int = 64, gdn_chunk: int = 64, mtp: MTPWeights | None = None) -> SequenceEngine:
     """The core's sequence engine over the runner for the weights' device (``make_runner``); with ``mtp`` (the
     checkpoint's head) it offers the head, with KV rows of its own for ``max_context`` positions."""
-    head = None if mtp is None else MTPHead(cfg, weights, mtp, max_context=max_context)
-    return SequenceEngine(make_runner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
-                                      gdn_chunk=gdn_chunk, max_tree=max_tree), name="qwen3_5", head=head)
+    runner = make_runner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk, gdn_chunk=gdn_chunk,
+                         max_tree=max_tree)
+    return SequenceEngine(runner, name="qwen3_5", head=None if mtp is None else make_head(cfg, weights, mtp, runner,
+                                                                                          max_context))
+
+
+def make_head(cfg: Qwen38Config, weights: Qwen38Weights, mtp: MTPWeights, runner: Runner,
+              max_context: int) -> MTPHead:
+    """The MTP head beside ``runner``: its CUDA graphs (``tandem_qwen38.mtp_cuda``) beside the CUDA graph runner
+    (the same kernels read it; a commit's rows fit its widths), else the plain-torch head."""
+    from tandem_qwen38.cuda_runner import Qwen38CudaRunner      # imports no kernel: Triton loads at a first build
+
+    if isinstance(runner, Qwen38CudaRunner):
+        from tandem_qwen38.mtp_cuda import CudaMTPHead
+
+        return CudaMTPHead(cfg, weights, mtp, max_context=max_context, widths=runner.spec.graph_widths)
+    return MTPHead(cfg, weights, mtp, max_context=max_context)
 
 
 def prefill_chunk_for(requested: int, device: Any) -> int:

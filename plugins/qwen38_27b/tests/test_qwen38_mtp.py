@@ -162,32 +162,41 @@ def test_a_prompt_prefilled_in_chunks_with_safe_points_between_gives_the_head_ev
     assert_drafts(drafter.read(), reference_drafts(head, torch.tensor([*p[1:], 4]), hidden, 3))
 
 
-def test_the_appended_rows_follow_the_engine(qwen38_ckpts):
-    """A forward's rows, a commit's path rows, a trim cutting them, nothing after a verify not committed
-    or a state restore (the side lane's), nothing after a reset."""
+def test_the_engine_keeps_the_heads_rows_through_a_commit_a_trim_and_a_restore(qwen38_ckpts):
+    """``mtp.hidden`` is the target's row at the last position after a forward, a commit, a trim of pending
+    tokens and a state restore (the side lane's); the drafts after each equal the reference's on the
+    sequence."""
     from tandem_core.engine import restore_state
 
+    model, ref = qwen38_ckpts.text.model, qwen38_ckpts.head
     eng = load_engine(qwen38_ckpts.mtp.path)
+    drafter = build_drafter("mtp", TargetInfo.of(eng.caps, tokenizer=None, vocab_size=VOCAB, engine=eng),
+                            depth=2, branch_below=1.0)
+    hidden = eng.state.sections["mtp.hidden"]
     ids = prompt(12, VOCAB, seed=8)
     eng.forward(ids)
-    start, rows = eng.appended_rows()
-    assert start == 0 and torch.equal(rows, eng.hidden_post_norm())
+    assert torch.equal(hidden, eng.hidden_post_norm()[-1:])
     eng.forward_tree(torch.tensor([3, 4, 5, 6]), torch.tensor([-1, 0, 0, 2]))
-    assert eng.appended_rows()[1].shape[0] == 0                 # a verify appends nothing until its commit
     verified = eng.hidden_post_norm().clone()
     eng.commit_tree([0, 2, 3])
-    start, rows = eng.appended_rows()
-    assert start == 12 and torch.equal(rows, verified[[0, 2, 3]])
+    assert torch.equal(hidden, verified[3:4])
     eng.trim_pending(1)
-    start, rows = eng.appended_rows()
-    assert start == 12 and torch.equal(rows, verified[[0, 2]])
+    assert torch.equal(hidden, verified[2:3])
+    seq = [*ids.tolist(), 3, 5]
+
+    def check() -> None:
+        drafter.propose([*seq, 9], 16)
+        want = reference_drafts(ref, torch.tensor([*seq[1:], 9]), target_hidden(model, torch.tensor(seq)), 2)
+        assert_drafts(drafter.read(), want)
+
+    check()
     snap = eng.state.clone()
+    eng.forward(torch.tensor([1, 2, 3]))                        # rows the restore takes back
     restore_state(eng, snap)
-    start, rows = eng.appended_rows()
-    assert start == 14 and rows.shape == (0, 64)
+    assert eng.kv.length == 14 and torch.equal(hidden, verified[2:3])
+    check()
     eng.reset()
-    start, rows = eng.appended_rows()
-    assert start == 0 and rows.shape == (0, 64)
+    assert not hidden.any()
 
 
 def test_an_engine_refuses_a_head_that_does_not_fit_its_target(qwen38_ckpts):
@@ -197,8 +206,9 @@ def test_an_engine_refuses_a_head_that_does_not_fit_its_target(qwen38_ckpts):
     head = eng.mtp_head()
 
     class Misfit:
-        layers, reads, max_context = 1, None, head.max_context
-        run, views, memory_parts = head.run, head.views, head.memory_parts
+        layers, reads, max_context, graphed = 1, None, head.max_context, False
+        run, views, memory_parts, sections = head.run, head.views, head.memory_parts, head.sections
+        append, launch = head.append, head.launch
 
         def __init__(self, width: int, reads: int | None = None, max_context: int | None = None) -> None:
             self.width, self.reads = width, reads
