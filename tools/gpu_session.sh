@@ -10,6 +10,8 @@
 #            at the 24B-A2B and 8B-A1B-like shapes against transformers (budget LFM25_BUDGET, default 240 s)
 #   mtp      the graphed MTP head's GPU tests (test_qwen38_mtp_gpu.py), then tools/bench_mtp.py at the 27B shape,
 #            graphs against eager, depths 1..4, within MTP_BUDGET seconds (default 150); $OUT/mtp.md, mtp.log
+#   profile  tools/profile_gpu.py: the decode and verify steps kernel by kernel (PROFILE_TARGETS, default
+#            lfm24,lfm8,qwen27); $OUT/profile.md, profile.json
 #
 # The device machine has no registry: .whl/ holds what its image lacks (fastapi, uvicorn, pydantic,
 # llguidance, gguf, openai, jsonschema, transformers 5.24.0, flash-linear-attention, ...).
@@ -67,6 +69,12 @@ mtp() {
     timeout $(( budget / 2 )) python3 tools/bench_mtp.py --shape 27b --device cuda --dtype bf16 --context 4096 \
         --rounds 20 --depths 1,2,3,4 --accepted 0,3 --heads graphs,eager --budget $(( budget / 2 - 30 )) \
         --out "$OUT/mtp.md" 2>&1 | tee "$OUT/mtp.log" | tail -30
+}
+
+profile() {
+    timeout ${PROFILE_BUDGET:-300} python3 tools/profile_gpu.py --out "$OUT/profile" \
+        --targets ${PROFILE_TARGETS:-lfm24,lfm8,qwen27} 2>&1 | tee "$OUT/profile.log" | tail -20
+    cp "$OUT/profile/profile.md" "$OUT/profile/profile.json" "$OUT/" 2>/dev/null
 }
 
 for part in "$@"; do

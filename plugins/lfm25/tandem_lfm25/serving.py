@@ -36,9 +36,15 @@ from tandem_core.tokenizer import HFTokenizer, load_chat_template
 from tandem_lfm25.config import Lfm2Config, read_config
 from tandem_lfm25.model import Lfm2Runner
 from tandem_lfm25.weights import Lfm2Weights, load_weights, normalise_dtype, open_checkpoint
+from tandem_lfm25.plugin import SETTINGS_DECLARED
 
 __all__ = ["serve", "ServeError", "build_engine", "make_runner", "runner_choice", "plugin_template",
            "CPU_PREFILL_CHUNK", "CUDA_PREFILL_CHUNK"]
+
+# declared here as well as through the plugin hook: tools and tests build engines without the plugin manager
+# (entry points off), and the declarations are equal, so declaring twice is a no-op
+for _setting in SETTINGS_DECLARED:
+    SETTINGS.declare(_setting)
 
 CPU_PREFILL_CHUNK = 512      # the CPU path's chunk (the chunk's activations stay small)
 CUDA_PREFILL_CHUNK = 8192    # a GPU's: the prompt lengths the prefill figure is asked at
