@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from tandem_core.engine import MemoryPart, tensor_bytes
+from tandem_core.engine.runner import graph_capture
 
 from tandem_qwen38.config import Qwen38Config
 from tandem_qwen38.cuda_graphs import _fuse
@@ -245,7 +246,7 @@ class CudaMTPHead(MTPHead):
                 body = (lambda: self._launch_body(n)) if kind == "launch" else (lambda: self._append_body(n))
                 body()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=stream):
+                with graph_capture(g, stream):
                     body()
                 self.graphs[key] = g
         torch.cuda.current_stream(self.device).wait_stream(stream)
