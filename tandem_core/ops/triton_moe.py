@@ -6,6 +6,8 @@ contracts, same dtype flow.
         -> (experts [T, k] int32 ascending along k, weights [T, k] fp32)
     grouped_experts(x [T, H] bf16, experts [T, k] int, weights [T, k] fp32, w_gate_up [E, 2I, H] bf16,
                     w_down [E, H, I] bf16, plan=None, out=None, live=None, blocks=None) -> y [T, H] bf16
+    combine_add_norm(d [T*k, H], experts, weights, x, norm_w, eps, out, live=None): step 4 below with the
+        residual add and the next norm after it (``grouped_experts(..., combine=False)`` gives ``d``)
     route_plan(logits [T, E] | partials [S, T, E], bias, top_k, plan, renorm, scale, eps, live=None)
         -> Routed(experts, weights, sorted, table): route (sigmoid) and step 1 below in one program, from the
            router matmul's fp32 partials when its K was cut (the decode and verify widths' router)
@@ -51,6 +53,7 @@ __all__ = [
     "SCORING",
     "MoePlan",
     "Routed",
+    "combine_add_norm",
     "grouped_experts",
     "kernels",
     "max_blocks",
@@ -412,8 +415,42 @@ def _build() -> dict[str, Any]:
             acc = acc + dv.to(tl.float32) * w
         tl.store(out_ptr + t * stride_o + offs, acc.to(tl.bfloat16), mask=offs < H)
 
+    @triton.jit
+    def combine_norm_kernel(d_ptr, exp_ptr, wt_ptr, live_ptr, x_ptr, nw_ptr, out_ptr, H, stride_d, stride_e,
+                            stride_w, stride_x, stride_o, eps, KTOP: tl.constexpr, KP: tl.constexpr,
+                            BLOCK: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+        # one row: y = bf16(combine_kernel's sum); x <- bf16(x + y); out = bf16(x / rms(x) * (1 + w)) (the
+        # residual add and the next norm, triton_fused.add_rms_norm_1p's arithmetic); a row past live[0]: y = 0
+        pdl_wait(PDL)
+        t = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < H
+        if HAS_LIVE:
+            d_ok = offs < tl.where(t < tl.load(live_ptr), H, 0)
+        else:
+            d_ok = ok
+        nw = tl.load(nw_ptr + offs, mask=ok, other=0.0)
+        x = tl.load(x_ptr + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        j = tl.arange(0, KP)
+        j_ok = j < KTOP
+        e = tl.load(exp_ptr + t * stride_e + j, mask=j_ok, other=2147483647).to(tl.int32)
+        wv = tl.load(wt_ptr + t * stride_w + j, mask=j_ok, other=0.0)
+        before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (j[None, :] < j[:, None]))
+        rank = tl.sum(before.to(tl.int32), 1)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(KTOP):
+            at = rank == r
+            slot = tl.sum(tl.where(at, j, 0), 0)
+            w = tl.sum(tl.where(at, wv, 0.0), 0)
+            dv = tl.load(d_ptr + (t * KTOP + slot).to(tl.int64) * stride_d + offs, mask=d_ok, other=0.0)
+            acc = acc + dv.to(tl.float32) * w
+        x = (x + acc.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+        tl.store(x_ptr + t * stride_x + offs, x.to(tl.bfloat16), mask=ok)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
+        tl.store(out_ptr + t * stride_o + offs, (x * inv * (1.0 + nw)).to(tl.bfloat16), mask=ok)
+
     return {"route": route_kernel, "plan": plan_kernel, "route_plan": route_plan_kernel, "gate_up": gate_up_kernel,
-            "down": down_kernel, "combine": combine_kernel}
+            "down": down_kernel, "combine": combine_kernel, "combine_norm": combine_norm_kernel}
 
 
 def kernels() -> dict[str, Any]:
@@ -503,16 +540,41 @@ def route_plan(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, plan
     return Routed(experts, weights, srt, blk)
 
 
+def combine_add_norm(d: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
+                     norm_w: torch.Tensor, eps: float, out: torch.Tensor,
+                     live: torch.Tensor | None = None) -> torch.Tensor:
+    """The combine of ``grouped_experts`` (step 4) with the residual add and the next RMS norm after it, one program
+    a row: ``x <- bf16(x + bf16(sum over the row's pairs, in increasing (expert, slot), of weight * d))`` in place,
+    ``out = bf16(x / rms(x) * (1 + norm_w))``. ``d: [T * k, H]`` bf16 (``grouped_experts(..., combine=False)``),
+    ``experts, weights: [T, k]``, ``x, out: [T, H]`` bf16, ``norm_w: [H]`` fp32 zero-centred (a plain weight as ``w -
+    1``); ``live``: rows from ``live[0]`` on add nothing. A row's result depends on that row alone. Returns ``out``."""
+    T, H = x.shape
+    k = experts.shape[1]
+    if tuple(d.shape) != (T * k, H) or tuple(weights.shape) != (T, k) or tuple(out.shape) != (T, H):
+        raise ValueError(f"combine_add_norm: d {tuple(d.shape)}, experts {tuple(experts.shape)}, weights "
+                         f"{tuple(weights.shape)}, out {tuple(out.shape)} do not fit x [{T}, {H}] and top-{k}")
+    if H > 16384:
+        raise ValueError(f"combine_add_norm: hidden {H} exceeds the 16384 one program holds")
+    ew = experts if experts.stride(1) == 1 else experts.contiguous()
+    ww = weights if weights.stride(1) == 1 else weights.contiguous()
+    kernels()["combine_norm"][(T,)](d, ew, ww, live if live is not None else ew, x, norm_w, out, H, d.stride(0),
+                                    ew.stride(0), ww.stride(0), x.stride(0), out.stride(0), float(eps), KTOP=k,
+                                    KP=max(2, _pow2(k)), BLOCK=_pow2(H), HAS_LIVE=live is not None, num_warps=8,
+                                    **pdl.launch_kw())
+    return out
+
+
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor, plan: MoePlan | None = None, out: torch.Tensor | None = None,
                     live: torch.Tensor | None = None,
-                    blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    blocks: tuple[torch.Tensor, torch.Tensor] | None = None, combine: bool = True) -> torch.Tensor:
     """See the module docstring. ``x: [T, H]`` bf16 (unit column stride), ``experts: [T, k]`` int32/int64 (each
     in ``0..E-1``), ``weights: [T, k]`` fp32, ``w_gate_up: [E, 2I, H]``, ``w_down: [E, H, I]`` bf16 with unit
     column strides. ``out``: ``[T, H]`` bf16 written in place when given. ``live``: a one-element int32 device
     tensor, the rows that count (a graph step's width past its tree): the rows from ``live[0]`` on run no expert
     and get zeros. ``blocks``: ``route_plan``'s ``(sorted, table)`` for these experts, this ``plan`` and ``live``
-    (the plan kernel is not launched). Returns ``out``."""
+    (the plan kernel is not launched). Returns ``out``; ``combine`` False: the pairs' expert outputs ``d [T * k,
+    H]`` bf16 instead (row ``t * k + slot``; those of rows past ``live[0]`` unwritten), for ``combine_add_norm``."""
     T, H = x.shape
     k = experts.shape[1]
     E, I2, Hw = w_gate_up.shape
@@ -561,6 +623,8 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     kk["down"][(math.ceil(H / p.BN_DOWN), maxb)](
         h, w_down, d, srt, blk, maxb, H, I, h.stride(0), w_down.stride(0), w_down.stride(1), d.stride(0),
         BT=p.BT, BN=p.BN_DOWN, BK=p.BK, EVEN_K=I % p.BK == 0, num_warps=p.warps, num_stages=p.stages, **kw)
+    if not combine:
+        return d
     CB = 1024
     kk["combine"][(T, math.ceil(H / CB))](d, ew, ww, lv, out, H, d.stride(0), out.stride(0), ew.stride(0),
                                           ww.stride(0), KTOP=k, KP=max(2, _pow2(k)), BLOCK=CB,

@@ -66,7 +66,7 @@ import importlib.util
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -249,6 +249,17 @@ class _Meta:
         if self._done is not None:
             self._done.record()
         self.L, self.count, self.anc_host, self.win_host, self.advance = L, n, anc, win, bool(advance)
+
+
+class _Pairs(NamedTuple):
+    """A MoE layer's output before its combine (CUDA): each (row, slot) pair's expert output ``d [W * k, H]`` bf16,
+    the rows' experts and weights ``[W, k]``, the live rows; the add-norm after it combines them
+    (``triton_moe.combine_add_norm``)."""
+
+    d: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+    live: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -442,17 +453,23 @@ class LfmCudaRunner(Lfm2Runner):
             return out
         return piece
 
-    def _add_norm(self, x: torch.Tensor, d: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(self, x: torch.Tensor, d: torch.Tensor | _Pairs | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``x + d`` (``d`` None: ``x``) and its RMS norm by norm ``k`` (``_norms``' order; past the last layer's
         FFN norm, the final norm). On CUDA one Triton program a row, ``x`` updated in place; ``d`` may be a
         matmul's fp32 partials ``[S, W, H]`` (added in index order and rounded to bf16 in the same program: the bits
-        of ``bf16(reduce_parts(d))``)."""
+        of ``bf16(reduce_parts(d))``), or a MoE layer's ``_Pairs`` (combined in the same program: the combine
+        kernel's arithmetic, then the add-norm's)."""
         if self._triton:
             from tandem_core.ops import triton_fused as tf
+            from tandem_core.ops import triton_moe as tm
 
             h = torch.empty_like(x)
-            tf.add_rms_norm_1p(x, d, self._norm_w[k], self.cfg.norm_eps, h)
+            if isinstance(d, _Pairs):
+                tm.combine_add_norm(d.d, d.experts, d.weights, x, self._norm_w[k], self.cfg.norm_eps, h, live=d.live)
+            else:
+                tf.add_rms_norm_1p(x, d, self._norm_w[k], self.cfg.norm_eps, h)
             return x, h
+        assert not isinstance(d, _Pairs)
         if d is not None:
             x = x + d
         return x, self._ops["rms_norm"](x, self._norm_w[k], self.cfg.norm_eps)
@@ -536,7 +553,7 @@ class LfmCudaRunner(Lfm2Runner):
             return self._lin(w.w2, a, parts=True)
         return self._lin(w.w2, self._ops["silu"](self._lin(w.w1, h)).to(self.act_dtype) * self._lin(w.w3, h))
 
-    def _moe_step(self, h: torch.Tensor, w: MoEWeights, m: _Meta) -> torch.Tensor:
+    def _moe_step(self, h: torch.Tensor, w: MoEWeights, m: _Meta) -> torch.Tensor | _Pairs:
         # h: [W, H] -> [W, H]: the experts the nodes chose, each once over the nodes that chose it
         cfg = self.cfg
         if self._triton:
@@ -547,8 +564,9 @@ class LfmCudaRunner(Lfm2Runner):
             plan = tm.plan_for(int(E), int(I2) // 2, int(H))
             r = tm.route_plan(logits, w.expert_bias, cfg.num_experts_per_tok, plan, cfg.norm_topk_prob,
                               cfg.routed_scaling_factor, live=m.n)
-            return tm.grouped_experts(h, r.experts, r.weights, w.gate_up_all, w.down_all, plan=plan, live=m.n,
-                                      blocks=r.blocks)
+            d = tm.grouped_experts(h, r.experts, r.weights, w.gate_up_all, w.down_all, plan=plan, live=m.n,
+                                   blocks=r.blocks, combine=False)                # d: [W * k, H], combined next
+            return _Pairs(d, r.experts, r.weights, m.n)
         logits = self._lin(w.router, h)                                        # [W, E]
         n = m.count
         routes = _moe.route(logits[:n], w.expert_bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
