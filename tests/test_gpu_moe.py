@@ -203,3 +203,32 @@ def test_route_plan_replays_in_a_cuda_graph():
         live.fill_(T - seed + 7)
         graph.replay()
         assert torch.equal(ys, step())
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 64])
+def test_combine_add_norm_equals_the_combine_then_the_add_norm(T):
+    from tandem_core.ops import triton_fused as tf
+    from tandem_core.ops import triton_moe as tm
+
+    E, I, H, k = 64, 1536, 2048, 4
+    x, experts, weights, gu, dn = _case(T, E, I, H, k, seed=20 + T)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    res = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    nw = torch.randn(H, device="cuda", generator=g) * 0.1
+    live = torch.tensor([max(1, T - 1)], dtype=torch.int32, device="cuda")
+    y = tm.grouped_experts(x, experts.int(), weights, gu, dn, live=live)
+    xa, ha = res.clone(), torch.empty_like(res)
+    tf.add_rms_norm_1p(xa, y, nw, 1e-5, ha)
+    d = tm.grouped_experts(x, experts.int(), weights, gu, dn, live=live, combine=False)
+    assert d.shape == (T * k, H)
+    xb, hb = res.clone(), torch.empty_like(res)
+    tm.combine_add_norm(d, experts.int(), weights, xb, nw, 1e-5, hb, live=live)
+    # the same arithmetic in one program: equal but for a contraction the compiler may choose differently
+    assert rel(xb, xa) < 1e-3 and rel(hb, ha) < 1e-3
+    assert torch.equal(xb[live.item():], res[live.item():])          # rows past live add nothing
+    for t in sorted({0, T - 1}):                                     # a row alone gives the same bits
+        d1 = tm.grouped_experts(x[t:t + 1], experts[t:t + 1].int(), weights[t:t + 1], gu, dn, combine=False)
+        x1, h1 = res[t:t + 1].clone(), torch.empty_like(res[:1])
+        tm.combine_add_norm(d1, experts[t:t + 1].int(), weights[t:t + 1], x1, nw, 1e-5, h1)
+        if t < live.item():
+            assert torch.equal(x1[0], xb[t]) and torch.equal(h1[0], hb[t])

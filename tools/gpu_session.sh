@@ -71,6 +71,7 @@ lfmfuse() {
         "tests/test_gpu_moe.py::test_route_plan_from_partials_equals_route_and_the_plan" \
         "tests/test_gpu_moe.py::test_grouped_experts_on_route_plans_blocks_equals_the_plan_kernel" \
         "tests/test_gpu_moe.py::test_route_plan_replays_in_a_cuda_graph" \
+        "tests/test_gpu_moe.py::test_combine_add_norm_equals_the_combine_then_the_add_norm" \
         "plugins/lfm25/tests/test_lfm25_gpu.py::test_the_partials_consumers_equal_them_reduced" \
         "plugins/lfm25/tests/test_lfm25_gpu.py::test_wide_verify_rows_are_the_decode_rows_and_the_self_check_passes" \
         "plugins/lfm25/tests/test_lfm25_gpu.py::test_wide_logits_track_the_fp32_reference_runner" 2>&1 \
