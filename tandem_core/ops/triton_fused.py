@@ -359,7 +359,7 @@ def qk_post(raw: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, freqs
     query heads are side by side (Llama, LFM2). The norm is ``x / rms(x) * (1 + w)``: a plain weight is passed as
     ``w - 1``. ``raw`` may also be the projection's fp32 partials ``[S, rows, ...]`` (K cut in ``S`` parts): added
     in index order and rounded to bf16 where they are read, the bits of ``bf16(reduce_parts(raw))``."""
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"stride_s": 0, "NP": 0}
     if raw.dim() == 3:
         if raw.dtype != torch.float32:
             raise ValueError(f"qk_post: partials [S, rows, N] must be fp32, got {raw.dtype}")
