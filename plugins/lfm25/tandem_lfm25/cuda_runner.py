@@ -40,17 +40,17 @@ On CUDA the residual add and the norm after it are one Triton program a row
 weights survive it exactly), ``q``/``k`` norm and rope and the K/V writes are
 ``triton_fused.qk_post`` (ungated), the matmuls the skinny matmul with a plan per weight shape, the
 MoE ``tandem_core.ops.triton_moe`` (routing and the experts sorted and blocked on the device; the
-rows past the tree run no expert).
+rows past the tree run no expert). Attention is ``triton_attention.tree_attention``; it multiplies
+its output by ``sigmoid(gate)`` (Qwen's gated attention), and this runner hands it a constant gate of
+``GATE_ONE``, whose sigmoid is exactly 1.0 in fp32 and bf16. Elsewhere (the CPU, ``graphs=False``)
+every piece is the same contract in torch: the reference ops, each node's keys gathered by position
+and its conv window by index.
 
 The projections of few column tiles (the router, ``in_proj``, ``out_proj``, ``q | k | v``, ``o``, ``w2``) take
 ``step_plan``: K cut in parts until the grid fills the device, each part an fp32 partial, and the next kernel adds
 the partials in index order where it reads them (the add-norm, the gated conv, ``qk_post``, and
 ``triton_moe.route_plan``, which routes and builds the experts' plan in one program); the MoE layer's combine
-runs inside the add-norm after it (``triton_moe.combine_add_norm``). Nothing between them reduces in torch. Attention is ``triton_attention.tree_attention``; it multiplies
-its output by ``sigmoid(gate)`` (Qwen's gated attention), and this runner hands it a constant gate of
-``GATE_ONE``, whose sigmoid is exactly 1.0 in fp32 and bf16. Elsewhere (the CPU, ``graphs=False``)
-every piece is the same contract in torch: the reference ops, each node's keys gathered by position
-and its conv window by index.
+runs inside the add-norm after it (``triton_moe.combine_add_norm``). Nothing between them reduces in torch.
 
 Row invariance: every op computes each row alone, with a kernel configuration that depends on the
 weight shapes only, so row ``i`` of a verify of width ``W`` equals the decode row at its position
