@@ -534,9 +534,10 @@ def route_plan(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, plan
     np_, sls, slt = (int(logits.shape[0]), logits.stride(0), logits.stride(1)) if parts else (1, 0, logits.stride(0))
     kernels()["route_plan"][(1,)](
         logits, b, live if live is not None else srt, experts, weights, srt, blk, T, E, maxb, sls, slt, float(scale),
-        float(eps), NP=np_, ROUND=parts, TOPK=int(top_k), BR=BR, BE=BE, BT=plan.BT, BB=max(16, min(32, 8192 // BE)),
+        float(eps), NP=np_, ROUND=parts, TOPK=int(top_k), BR=BR, BE=BE, BT=plan.BT,
+        BB=max(2, min(32, 8192 // BE, _pow2(maxb))),
         ONE=T <= BR, HAS_BIAS=bias is not None, RENORM=bool(renorm), HAS_LIVE=live is not None,
-        num_warps=1 if BR * BE <= 1024 else 4, **pdl.launch_kw())
+        num_warps=min(8, max(1, BR * BE // 512)), **pdl.launch_kw())     # 4 .. 16 (row, expert) cells a thread
     return Routed(experts, weights, srt, blk)
 
 
