@@ -8,8 +8,8 @@
 #   engine   tools/bench_gpu.py engine with the shipped defaults (no tuning)
 #   lfm25    the LFM2 GPU tests (triton_moe, LfmCudaRunner, tandem serve on CUDA), then tools/bench_lfm25_gpu.py
 #            at the 24B-A2B and 8B-A1B-like shapes against transformers (budget LFM25_BUDGET, default 240 s)
-#   lfmfuse  the fused LFM2 step's GPU tests (route_plan, the partials' consumers, verify = decode at the 24B-A2B
-#            widths), then the lfm25 part, then profile at lfm24,lfm8
+#   lfmfuse  the fused LFM2 step's GPU tests (route_plan, combine_add_norm, the partials' consumers, verify =
+#            decode at the 24B-A2B widths), then the lfm25 part (profile it apart: PROFILE_TARGETS=lfm24,lfm8)
 #   mtp      the graphed MTP head's GPU tests (test_qwen38_mtp_gpu.py), then tools/bench_mtp.py at the 27B shape,
 #            graphs against eager, depths 1..4, within MTP_BUDGET seconds (default 150); $OUT/mtp.md, mtp.log
 #   profile  tools/profile_gpu.py: the decode and verify steps kernel by kernel (PROFILE_TARGETS, default
@@ -66,7 +66,8 @@ lfm25() {
 
 lfmfuse() {
     # the fused LFM2 step (router partials into route_plan, K-split projections added in their consumers): its
-    # kernel tests first, then the lfm25 part (every LFM2 GPU test, the benchmark), then the profile of both shapes
+    # kernel tests first (~2 min), then the lfm25 part (every LFM2 GPU test, the benchmark); the profile is its own
+    # call (PROFILE_TARGETS=lfm24,lfm8 tools/gpu_session.sh setup profile): together they pass one call's 10 min
     timeout 300 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
         "tests/test_gpu_moe.py::test_route_plan_from_partials_equals_route_and_the_plan" \
         "tests/test_gpu_moe.py::test_grouped_experts_on_route_plans_blocks_equals_the_plan_kernel" \
@@ -77,7 +78,6 @@ lfmfuse() {
         "plugins/lfm25/tests/test_lfm25_gpu.py::test_wide_logits_track_the_fp32_reference_runner" 2>&1 \
         | tee "$OUT/lfmfuse-tests.log" | tail -30
     lfm25
-    PROFILE_TARGETS=${PROFILE_TARGETS:-lfm24,lfm8} profile
 }
 
 mtp() {
