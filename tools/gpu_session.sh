@@ -66,18 +66,19 @@ lfm25() {
 
 lfmfuse() {
     # the fused LFM2 step (router partials into route_plan, K-split projections added in their consumers): its
-    # kernel tests first (~2 min), then the lfm25 part (every LFM2 GPU test, the benchmark); the profile is its own
-    # call (PROFILE_TARGETS=lfm24,lfm8 tools/gpu_session.sh setup profile): together they pass one call's 10 min
-    timeout 300 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
-        "tests/test_gpu_moe.py::test_route_plan_from_partials_equals_route_and_the_plan" \
-        "tests/test_gpu_moe.py::test_grouped_experts_on_route_plans_blocks_equals_the_plan_kernel" \
-        "tests/test_gpu_moe.py::test_route_plan_replays_in_a_cuda_graph" \
-        "tests/test_gpu_moe.py::test_combine_add_norm_equals_the_combine_then_the_add_norm" \
-        "plugins/lfm25/tests/test_lfm25_gpu.py::test_the_partials_consumers_equal_them_reduced" \
-        "plugins/lfm25/tests/test_lfm25_gpu.py::test_wide_verify_rows_are_the_decode_rows_and_the_self_check_passes" \
-        "plugins/lfm25/tests/test_lfm25_gpu.py::test_wide_logits_track_the_fp32_reference_runner" 2>&1 \
+    # kernel tests first (~2 min), then the lfm25 part without them (every other LFM2 GPU test, the benchmark); the
+    # profile is its own call (PROFILE_TARGETS=lfm24,lfm8 tools/gpu_session.sh setup profile): one call's 10 min
+    local new=(tests/test_gpu_moe.py::test_route_plan_from_partials_equals_route_and_the_plan
+               tests/test_gpu_moe.py::test_grouped_experts_on_route_plans_blocks_equals_the_plan_kernel
+               tests/test_gpu_moe.py::test_route_plan_replays_in_a_cuda_graph
+               tests/test_gpu_moe.py::test_combine_add_norm_equals_the_combine_then_the_add_norm
+               plugins/lfm25/tests/test_lfm25_gpu.py::test_the_partials_consumers_equal_them_reduced
+               plugins/lfm25/tests/test_lfm25_gpu.py::test_wide_verify_rows_are_the_decode_rows_and_the_self_check_passes
+               plugins/lfm25/tests/test_lfm25_gpu.py::test_wide_logits_track_the_fp32_reference_runner)
+    timeout 300 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" "${new[@]}" 2>&1 \
         | tee "$OUT/lfmfuse-tests.log" | tail -30
-    lfm25
+    LFM25_TESTS="tests/test_gpu_moe.py plugins/lfm25/tests/test_lfm25_gpu.py $(printf -- '--deselect=%s ' "${new[@]}")" \
+        lfm25
 }
 
 mtp() {
