@@ -489,12 +489,9 @@ class Routed(NamedTuple):
 
     experts: torch.Tensor   # [T, k] int32, ascending along k
     weights: torch.Tensor   # [T, k] fp32
-    sorted: torch.Tensor    # [T * k] int32: the live pairs ``t * k + slot`` in (expert, row) order
+    sorted: torch.Tensor    # [T * k] int32: the live pairs ``t * k + slot`` in (expert, row) order (the rest unwritten)
     table: torch.Tensor     # [3, max_blocks] int32: (expert or -1, first sorted pair, pairs) a block
-
-    @property
-    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.sorted, self.table
+    block_rows: int         # the plan's BT: at most this many pairs a block
 
 
 def route_plan(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, plan: MoePlan, renorm: bool = True,
@@ -505,10 +502,10 @@ def route_plan(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, plan
     ``logits``: ``[T, E]`` (bf16 or fp32, unit column stride), or ``[S, T, E]`` fp32 partials of a bf16 matmul
     whose K was cut in ``S`` parts (``triton_matmul.skinny_matmul``): added in index order and rounded to bf16,
     the bits of ``bf16(reduce_parts(logits))``. ``plan``: the experts' plan (its ``BT``). ``live``: as in
-    ``grouped_experts`` (the rows from ``live[0]`` on are routed but take no part in the plan). Pass the result
-    to ``grouped_experts(..., plan=plan, live=live, blocks=r.blocks)``. A row's experts and weights do not depend
-    on the other rows or on ``T`` (every reduction over the experts is exact; the renormalising sum is taken in
-    increasing expert index), so a verified row routes as its decode row, bit for bit."""
+    ``grouped_experts`` (the rows from ``live[0]`` on are routed but take no part in the plan). A row's experts
+    and weights do not depend on the other rows or on ``T`` (every reduction over the experts is exact; the
+    renormalising sum is taken in increasing expert index), so a verified row routes as its decode row, bit for
+    bit. Pass the result to ``grouped_experts(..., plan=plan, live=live, blocks=r)``."""
     parts = logits.dim() == 3
     if logits.dim() not in (2, 3):
         raise ValueError(f"route_plan: logits must be [T, E] or [S, T, E] partials, got {tuple(logits.shape)}")
@@ -538,7 +535,7 @@ def route_plan(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, plan
         BB=max(2, min(32, 8192 // BE, _pow2(maxb))),
         ONE=T <= BR, HAS_BIAS=bias is not None, RENORM=bool(renorm), HAS_LIVE=live is not None,
         num_warps=min(8, max(1, BR * BE // 512)), **pdl.launch_kw())     # 4 .. 16 (row, expert) cells a thread
-    return Routed(experts, weights, srt, blk)
+    return Routed(experts, weights, srt, blk, int(plan.BT))
 
 
 def combine_add_norm(d: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
@@ -568,13 +565,13 @@ def combine_add_norm(d: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor, plan: MoePlan | None = None, out: torch.Tensor | None = None,
                     live: torch.Tensor | None = None,
-                    blocks: tuple[torch.Tensor, torch.Tensor] | None = None, combine: bool = True) -> torch.Tensor:
+                    blocks: Routed | None = None, combine: bool = True) -> torch.Tensor:
     """See the module docstring. ``x: [T, H]`` bf16 (unit column stride), ``experts: [T, k]`` int32/int64 (each
     in ``0..E-1``), ``weights: [T, k]`` fp32, ``w_gate_up: [E, 2I, H]``, ``w_down: [E, H, I]`` bf16 with unit
     column strides. ``out``: ``[T, H]`` bf16 written in place when given. ``live``: a one-element int32 device
     tensor, the rows that count (a graph step's width past its tree): the rows from ``live[0]`` on run no expert
-    and get zeros. ``blocks``: ``route_plan``'s ``(sorted, table)`` for these experts, this ``plan`` and ``live``
-    (the plan kernel is not launched). Returns ``out``; ``combine`` False: the pairs' expert outputs ``d [T * k,
+    and get zeros. ``blocks``: ``route_plan``'s result for these experts, this ``plan`` and ``live`` (its
+    sorted pairs and block table are used: the plan kernel is not launched). Returns ``out``; ``combine`` False: the pairs' expert outputs ``d [T * k,
     H]`` bf16 instead (row ``t * k + slot``; those of rows past ``live[0]`` unwritten), for ``combine_add_norm``."""
     T, H = x.shape
     k = experts.shape[1]
@@ -603,11 +600,11 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
         srt = torch.empty(P, dtype=torch.int32, device=dev)
         blk = torch.empty(3, maxb, dtype=torch.int32, device=dev)
     else:
-        srt, blk = blocks
-        if tuple(srt.shape) != (P,) or tuple(blk.shape) != (3, maxb) or srt.dtype != torch.int32 \
-                or blk.dtype != torch.int32:
-            raise ValueError(f"grouped_experts: blocks {tuple(srt.shape)}, {tuple(blk.shape)} are not route_plan's "
-                             f"[{P}] and [3, {maxb}] int32 for {T} rows, top-{k} and blocks of {p.BT}")
+        srt, blk = blocks.sorted, blocks.table
+        if blocks.block_rows != p.BT or tuple(srt.shape) != (P,) or tuple(blk.shape) != (3, maxb):
+            raise ValueError(f"grouped_experts: blocks of {blocks.block_rows} pairs, sorted {tuple(srt.shape)} and "
+                             f"table {tuple(blk.shape)} are not route_plan's for {T} rows, top-{k} and this plan's "
+                             f"blocks of {p.BT} ([{P}] and [3, {maxb}])")
     h = torch.empty(P, I, dtype=torch.bfloat16, device=dev)
     d = torch.empty(P, H, dtype=torch.bfloat16, device=dev)
     if out is None:

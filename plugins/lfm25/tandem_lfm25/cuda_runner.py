@@ -571,7 +571,7 @@ class LfmCudaRunner(Lfm2Runner):
             r = tm.route_plan(logits, w.expert_bias, cfg.num_experts_per_tok, plan, cfg.norm_topk_prob,
                               cfg.routed_scaling_factor, live=m.n)
             d = tm.grouped_experts(h, r.experts, r.weights, w.gate_up_all, w.down_all, plan=plan, live=m.n,
-                                   blocks=r.blocks, combine=False)                # d: [W * k, H], combined next
+                                   blocks=r, combine=False)                # d: [W * k, H], combined next
             return _Pairs(d, r.experts, r.weights, m.n)
         logits = self._lin(w.router, h)                                        # [W, E]
         n = m.count
