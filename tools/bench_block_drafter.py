@@ -24,6 +24,7 @@ import argparse
 import json
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     mismatches = 0
     for set_name, prompts in sets.items():
         plain_t = plain_n = 0.0
-        agg = {k: {"rounds": 0, "tokens": 0, "drafted": 0, "accepted": 0, "t": 0.0, "n": 0} for k in per_spec}
+        agg = {k: {"rounds": 0, "tokens": 0, "drafted": 0, "accepted": 0, "t": 0.0, "n": 0, "skipped": 0,
+                   "cost_ms": [], "gain_ms": []} for k in per_spec}
         used = 0
         for msgs in prompts:
             ids = served.tokenizer.encode(render_chat(served, msgs))
@@ -208,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
                 g["accepted"] += dec.stats.accepted
                 g["t"] += t
                 g["n"] += max(0, len(got) - 1)
+                for gate in dec._gates.values():        # the costly drafter's gate: rounds it sat out, its prices
+                    g["skipped"] += gate.skipped
+                    g["cost_ms"].append(gate.cost_ms)
+                    g["gain_ms"].append(gate.gain_ms)
         plain_rate = plain_n / plain_t if plain_t else 0.0
         row = {"plain_tok_s": round(plain_rate, 2), "prompts": used}
         for key, g in agg.items():
@@ -215,18 +221,29 @@ def main(argv: list[str] | None = None) -> int:
             rate = g["n"] / g["t"] if g["t"] else 0.0
             row[key] = {"accept_len": round(g["tokens"] / r, 3), "drafted_per_round": round(g["drafted"] / r, 2),
                         "accepted_per_round": round(g["accepted"] / r, 3), "tok_s": round(rate, 2),
-                        "speedup": round(rate / plain_rate, 3) if plain_rate else 0.0}
+                        "speedup": round(rate / plain_rate, 3) if plain_rate else 0.0,
+                        "block_skipped_per_round": round(g["skipped"] / r, 3),
+                        "block_ms_per_proposal": round(statistics.fmean(g["cost_ms"]), 2) if g["cost_ms"] else None,
+                        "block_saved_ms_per_round": round(statistics.fmean(g["gain_ms"]), 2) if g["gain_ms"]
+                        else None}
         results[set_name] = row
         print(f"[{set_name}] done", file=sys.stderr, flush=True)
 
     lines = [("| set | spec | acceptance length | drafted / round | accepted / round | tok/s | plain tok/s | "
-             "speedup |"), "|---|---|---|---|---|---|---|---|"]
+             "speedup | block paused / round | block ms a proposal | block saved ms a round |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(v: Any) -> str:
+        return "–" if v is None else f"{v:.2f}"
+
     for set_name, row in results.items():
         for key in per_spec:
             m = row[key]
+            paused = f"{m['block_skipped_per_round']:.2f}" if m["block_ms_per_proposal"] is not None else "–"
             lines.append(f"| {set_name} | {key} | {m['accept_len']:.2f} | {m['drafted_per_round']:.1f} | "
                          f"{m['accepted_per_round']:.2f} | {m['tok_s']:.1f} | {row['plain_tok_s']:.1f} | "
-                         f"{m['speedup']:.2f}x |")
+                         f"{m['speedup']:.2f}x | {paused} | {ms(m['block_ms_per_proposal'])} | "
+                         f"{ms(m['block_saved_ms_per_round'])} |")
     table = "\n".join(lines)
     print(table)
     print(f"mismatches against plain decode: {mismatches}")
