@@ -76,6 +76,7 @@ from tandem_flashnext.blocks import gated_deltanet, moe
 from tandem_flashnext.config import FlashNextConfig
 from tandem_flashnext.model import FlashNextRunner, PathRows
 from tandem_flashnext.ngram import context_after, read_context, tree_windows, windows
+from tandem_flashnext.qsa import _scores as _qsa_scores
 from tandem_flashnext.steps import tree_step
 from tandem_flashnext.weights import AttentionWeights, FlashNextWeights, GDNWeights, HyperWeights, MoEWeights
 
@@ -789,12 +790,14 @@ class FlashNextCudaRunner(FlashNextRunner):
         last = (geo["nf"] - 1).clamp(min=0)
         own = fk.gather(1, last[:, None, None].expand(W, 1, di))[:, 0]
         BK.index_copy_(0, m.at, torch.where(geo["own"][:, None], own, torch.zeros_like(own)))
-        scores = tq.head_scores if self._triton else tq.head_scores_ref
         bk = BK[r - 1::r]                                                          # the committed blocks' keys
-        div = math.sqrt(di)
-        sc = scores(iq, bk, geo["nbc"].to(torch.int32), div, True)                 # [W, NB]
-        sf = scores(iq, fk, geo["nf"].to(torch.int32), div, True)                  # [W, F]
-        blocks, valid = select_blocks(sc, sf, geo["nbc"], cfg.block_topk)          # [W, k]
+        if self._triton:
+            div = math.sqrt(di)
+            sc = tq.head_scores(iq, bk, geo["nbc"].to(torch.int32), div, True)     # [W, NB]
+            sf = tq.head_scores(iq, fk, geo["nf"].to(torch.int32), div, True)      # [W, F]
+            blocks, valid = select_blocks(sc, sf, geo["nbc"], cfg.block_topk)      # [W, k]
+        else:
+            blocks, valid = self._select_host(iq, bk, fk, m)
         tok = (blocks[:, :, None] * r + torch.arange(r, device=h.device)).reshape(W, -1)
         L, anc = geo["L"], geo["anc"]
         tslot = torch.where(tok < L, tok, L + anc.gather(1, (tok - L).clamp(0, W - 1)))
@@ -807,6 +810,29 @@ class FlashNextCudaRunner(FlashNextRunner):
             o = tq.gathered_attention_ref(q.reshape(W, hq * D), Kc, Vc, sel, scale, hkv)
         o = o * op["sigmoid"](gate).to(act)
         return self._lin(w.o, o)
+
+    def _select_host(self, iq: torch.Tensor, bk: torch.Tensor, fk: torch.Tensor, m: _Meta) -> tuple[
+            torch.Tensor, torch.Tensor]:
+        """The torch form's selection, node by node from the host's tree: the reference's scores and ``topk`` over
+        exactly the node's complete blocks (committed, then its frontier), so that its ties fall as the
+        reference's do (``torch.topk`` leaves the order of equal scores unspecified; the device form breaks them
+        to the lower block). ``(blocks [W, k], valid [W, k])`` as ``select_blocks``."""
+        cfg, W = self.cfg, m.W
+        r = cfg.indexer_compress_ratio
+        k = min(cfg.block_topk, bk.shape[0] + fk.shape[1])
+        blocks = torch.zeros(W, k, dtype=torch.long, device=iq.device)
+        valid = torch.zeros(W, k, dtype=torch.bool, device=iq.device)
+        depth, _ = tree_tables(m.parents)
+        nbc = m.L // r
+        for i in range(m.count):
+            nb = (m.L + depth[i] + 1) // r
+            if nb == 0:
+                continue
+            keys = torch.cat([bk[:nbc], fk[i, :nb - nbc]])
+            best = _qsa_scores(iq[i], keys, cfg).topk(min(cfg.block_topk, nb), dim=0).indices
+            blocks[i, :best.numel()] = best
+            valid[i, :best.numel()] = True
+        return blocks, valid
 
     def _block_keys_after(self, start: int, end: int) -> None:
         """``BK`` rows ``start .. end - 1`` after a prefill wrote the raw keys there: each block completed in the
