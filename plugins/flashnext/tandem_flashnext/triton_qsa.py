@@ -85,7 +85,7 @@ def _build() -> dict[str, Any]:
         tl.store(out_ptr + r * stride_o + offs_b, acc, mask=offs_b < B)
 
     @triton.jit
-    def gathered_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr, M, CHUNK, stride_q, stride_kh,
+    def gathered_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr, M, CHUNK, NSTEP, stride_q, stride_kh,
                         stride_ks, stride_vh, stride_vs, stride_sl, scale, HKV: tl.constexpr, G: tl.constexpr,
                         BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
                         SPLIT: tl.constexpr, PDL: tl.constexpr):
@@ -103,8 +103,8 @@ def _build() -> dict[str, Any]:
         l_i = tl.zeros((BG,), dtype=tl.float32)
         acc = tl.zeros((BG, BD), dtype=tl.float32)
         lo = s * CHUNK
-        for start in range(lo, lo + CHUNK, BN):
-            offs_n = start + tl.arange(0, BN)
+        for it in range(NSTEP):
+            offs_n = lo + it * BN + tl.arange(0, BN)
             sl = tl.load(slots_ptr + r * stride_sl + offs_n, mask=offs_n < M, other=-1)
             ok = sl >= 0
             row = tl.where(ok, sl, 0).to(tl.int64)
@@ -254,7 +254,8 @@ def gathered_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots:
     hq = q.shape[1] // D
     G = hq // hkv
     chunk = ((M + SPLIT - 1) // SPLIT + BN - 1) // BN * BN
-    kernels()["gathered"][(R, hkv, SPLIT)](q, K, V, slots, parts.m, parts.l, parts.acc, M, chunk, q.stride(0),
+    kernels()["gathered"][(R, hkv, SPLIT)](q, K, V, slots, parts.m, parts.l, parts.acc, M, chunk, chunk // BN,
+                                           q.stride(0),
                                            K.stride(0), K.stride(1), V.stride(0), V.stride(1), slots.stride(0),
                                            float(scale), HKV=hkv, G=G, BG=parts.BG, D=D, BD=parts.BD, BN=BN,
                                            SPLIT=SPLIT, num_warps=4, **pdl.launch_kw())
