@@ -372,10 +372,15 @@ class FlashNextCudaRunner(FlashNextRunner):
                  prefill_chunk: int = 512, gdn_chunk: int = 64, last_streams: bool = False,
                  graphs: bool = True) -> None:
         widths = runner_widths(int(max_tree))
+        why = unsupported(cfg, weights)
+        if why is None:
+            from tandem_core.ops import cuda_backend
+
+            # before the reference resolves its ops: every engine's prefill then runs the same kernels
+            cuda_backend.install()
         super().__init__(cfg, weights, max_context=int(max_context) + widths[-1], prefill_chunk=prefill_chunk,
                          gdn_chunk=gdn_chunk, max_tree=widths[-1], last_streams=last_streams)
         self.widths = widths
-        why = unsupported(cfg, weights)
         self._triton = why is None
         if graphs and self.device.type == "cuda" and why is not None:
             raise ValueError(f"FlashNextCudaRunner: cannot capture graphs: {why}")
@@ -402,10 +407,6 @@ class FlashNextCudaRunner(FlashNextRunner):
         self._rule: dict[int, Any] = {}                                       # the torch form's RuleRows
         self._fw: _Fused | None = None
         if self._triton:
-            from tandem_core.ops import cuda_backend
-
-            cuda_backend.install()             # linear_rows (the prefill's last row) on the skinny matmul
-            self._op["linear_rows"] = cuda_backend.linear_rows
             self._fw = _fused(cfg, weights)
             C, hv, dk, dv = cfg.conv_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
                 cfg.linear_value_head_dim
@@ -793,8 +794,8 @@ class FlashNextCudaRunner(FlashNextRunner):
         bk = BK[r - 1::r]                                                          # the committed blocks' keys
         if self._triton:
             div = math.sqrt(di)
-            sc = tq.head_scores(iq, bk, geo["nbc"].to(torch.int32), div, True)     # [W, NB]
-            sf = tq.head_scores(iq, fk, geo["nf"].to(torch.int32), div, True)      # [W, F]
+            sc = tq.head_scores(iq, bk, geo["nbc"].to(torch.int32).contiguous(), div, True)     # [W, NB]
+            sf = tq.head_scores(iq, fk, geo["nf"].to(torch.int32).contiguous(), div, True)      # [W, F]
             blocks, valid = select_blocks(sc, sf, geo["nbc"], cfg.block_topk)      # [W, k]
         else:
             blocks, valid = self._select_host(iq, bk, fk, m)

@@ -34,7 +34,7 @@ __all__ = ["SPLIT", "gathered_attention", "gathered_attention_ref", "group_norm1
 
 SPLIT = 8          # programs a (row, KV head) of the gathered attention
 BN = 32            # slots a step of a program
-BB = 64            # keys a program of head_scores
+BB = 64            # keys a program of head_scores (fewer for wide rows: at most 8192 elements a tile)
 
 tl: Any = None
 _K: dict[str, Any] = {}
@@ -184,9 +184,11 @@ def head_scores(q: torch.Tensor, keys: torch.Tensor, nvalid: torch.Tensor, div: 
         B, skr, skb = keys.shape[1], keys.stride(0), keys.stride(1)
     if out is None:
         out = torch.empty(R, B, dtype=torch.float32, device=q.device)
-    kernels()["scores"][(R, (B + BB - 1) // BB)](q, keys, nvalid, out, B, D, q.stride(0), q.stride(1), skr, skb,
-                                                 out.stride(0), float(div), HEADS=Hq, RELU=bool(relu), BB=BB,
-                                                 BD=_p2(D), num_warps=4, **pdl.launch_kw())
+    BD = _p2(D)
+    bb = max(1, min(BB, 8192 // BD))
+    kernels()["scores"][(R, (B + bb - 1) // bb)](q, keys, nvalid, out, B, D, q.stride(0), q.stride(1), skr, skb,
+                                                 out.stride(0), float(div), HEADS=Hq, RELU=bool(relu), BB=bb,
+                                                 BD=BD, num_warps=4, **pdl.launch_kw())
     return out
 
 
