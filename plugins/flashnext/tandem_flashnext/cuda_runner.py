@@ -69,6 +69,7 @@ import torch
 from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, Step, TreeStep, tensor_bytes
 from tandem_core.engine.runner import graph_capture, widths_up_to
 from tandem_core.ops import rope as _rope
+from tandem_core.ops.attention import causal_mask
 from tandem_core.ops.conv import conv_tail
 
 from tandem_flashnext import triton_qsa as tq
@@ -77,6 +78,7 @@ from tandem_flashnext.config import FlashNextConfig
 from tandem_flashnext.model import FlashNextRunner, PathRows
 from tandem_flashnext.ngram import context_after, read_context, tree_windows, windows
 from tandem_flashnext.qsa import _scores as _qsa_scores
+from tandem_flashnext.qsa import block_keys
 from tandem_flashnext.steps import tree_step
 from tandem_flashnext.weights import AttentionWeights, FlashNextWeights, GDNWeights, HyperWeights, MoEWeights
 
@@ -370,7 +372,7 @@ class FlashNextCudaRunner(FlashNextRunner):
 
     def __init__(self, cfg: FlashNextConfig, weights: FlashNextWeights, *, max_context: int, max_tree: int = 64,
                  prefill_chunk: int = 512, gdn_chunk: int = 64, last_streams: bool = False,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, vector_prefill: bool | None = None) -> None:
         widths = runner_widths(int(max_tree))
         why = unsupported(cfg, weights)
         if why is None:
@@ -382,6 +384,8 @@ class FlashNextCudaRunner(FlashNextRunner):
                          gdn_chunk=gdn_chunk, max_tree=widths[-1], last_streams=last_streams)
         self.widths = widths
         self._triton = why is None
+        # the indexed attention's prefill with every row's selection at once (default: on CUDA)
+        self._vector_prefill = self._triton if vector_prefill is None else bool(vector_prefill)
         if graphs and self.device.type == "cuda" and why is not None:
             raise ValueError(f"FlashNextCudaRunner: cannot capture graphs: {why}")
         self.use_graphs = bool(graphs) and self._triton
@@ -723,6 +727,86 @@ class FlashNextCudaRunner(FlashNextRunner):
         a = tf.silu_mul(gu, torch.empty(h.shape[0], gu.shape[1] // 2, dtype=act, device=h.device))
         shared = self._lin(w.shared.down, a) * op["sigmoid"](self._lin(w.shared_gate, h)).to(act)
         return routed + shared
+
+    # -- prefill's device forms (batched: a prefill need not be row invariant) -------------------------------------
+    def _experts(self, step: Step | TreeStep) -> Any:
+        if not self._triton or isinstance(step, TreeStep) or step.count == 1:
+            return None
+        return self._moe_prefill
+
+    def _moe_prefill(self, x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+        # x: [T, H] -> [T, H]: routing and the grouped experts on the device (triton_moe's prefill plan), the shared
+        # expert batched
+        from tandem_core.ops import triton_moe as tmoe
+
+        assert self._fw is not None
+        cfg, op, act = self.cfg, self._op, x.dtype
+        layer = next(i for i, lw in enumerate(self.w.layers) if lw.moe is w)
+        experts, weights = tmoe.route(w.router.matmul(x), None, cfg.num_experts_per_tok, "softmax", True, 1.0, 0.0)
+        plan = tmoe.PREFILL_PLAN if x.shape[0] > 64 else None
+        routed = tmoe.grouped_experts(x, experts, weights, self._fw.gate_up[layer], self._fw.down[layer], plan=plan)
+        sh = w.shared
+        gu = torch.nn.functional.linear(x, self._fw.shared_gu[layer])
+        I = gu.shape[1] // 2
+        a = op["silu"](gu[:, :I]).to(act) * gu[:, I:]
+        shared = sh.down.matmul(a) * op["sigmoid"](w.shared_gate.matmul(x)).to(act)
+        return routed + shared
+
+    def _mixer(self, mixer: Any, slot: int, step: Step | TreeStep, rec: Any, mm: Any, cos: torch.Tensor,
+               sin: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if self._vector_prefill and isinstance(mixer, AttentionWeights) and isinstance(step, Step) \
+                and step.count > 1:
+            return self._qsa_prefill(h, mixer, slot, step, cos, sin)
+        return super()._mixer(mixer, slot, step, rec, mm, cos, sin, h)
+
+    def _qsa_prefill(self, x: torch.Tensor, w: AttentionWeights, slot: int, step: Step, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        """``qsa.indexed_attention``'s prefill with the selection of every row at once (no loop over rows, no host
+        read): the rows' block scores over every complete block, each row's top-k among its own complete blocks
+        (a tie to whichever ``topk`` returns first), the tail, then one masked attention (SDPA)."""
+        cfg, op, act = self.cfg, self._op, x.dtype
+        T, hq, hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hi, di, r = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
+        qg = w.q.matmul(x).view(T, hq, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, hq * D)
+        k = w.k.matmul(x).view(T, hkv, D)
+        v = w.v.matmul(x).view(T, hkv, D)
+        q = op["rope"](op["rms_norm_1p"](q, w.q_norm, cfg.rms_norm_eps), cos, sin)
+        k = op["rope"](op["rms_norm_1p"](k, w.k_norm, cfg.rms_norm_eps), cos, sin)
+        iqk = w.index_qk.matmul(x)
+        iq = op["rope"](op["rms_norm_1p"](iqk[:, :hi * di].reshape(T, hi, di), w.index_q_norm, cfg.rms_norm_eps),
+                        cos, sin)                                                  # iq: [T, Hi, Di]
+        start, end = step.start, step.end
+        K, V, IK = self._K[slot], self._V[slot], self._IK[slot]
+        K[:, start:end], V[:, start:end], IK[start:end] = k.transpose(0, 1), v.transpose(0, 1), iqk[:, hi * di:]
+        dev = x.device
+        nb_all = end // r
+        pos = torch.arange(start, end, device=dev)                                 # [T]
+        nb = (pos + 1) // r                                                        # each row's complete blocks
+        chosen = causal_mask(start, T, dev)                                        # [T, end]
+        if nb_all:
+            keys = block_keys(op, IK, nb_all, w, cfg, self._inv_freq)              # [nb_all, Di]
+            scores = _qsa_scores(iq, keys, cfg)                                    # [T, nb_all]
+            live = torch.arange(nb_all, device=dev)[None, :] < nb[:, None]
+            scores = scores.masked_fill(~live, float("-inf"))
+            top = min(cfg.block_topk, nb_all)
+            best = scores.topk(top, dim=1).indices                                 # [T, top]
+            ok = best < nb[:, None]
+            pick = torch.zeros(T, nb_all, dtype=torch.bool, device=dev)
+            pick.scatter_(1, best, ok)
+            blocks = pick.repeat_interleave(r, dim=1)                              # [T, nb_all * r]
+            tail = torch.arange(end, device=dev)[None, :] >= (nb * r)[:, None]     # the incomplete block
+            sel = tail.clone()
+            sel[:, :nb_all * r] |= blocks
+            chosen = chosen & sel
+        qq = q.transpose(0, 1)[None]                                               # [1, Hq, T, D]
+        rep = hq // hkv                                          # the KV heads repeated: any SDPA backend takes a mask
+        kk = K[:, :end].repeat_interleave(rep, dim=0)[None]                        # [1, Hq, end, D]
+        vv = V[:, :end].repeat_interleave(rep, dim=0)[None]
+        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=chosen[None, None],
+                                                             scale=D ** -0.5)
+        o = o[0].transpose(0, 1).reshape(T, hq * D) * op["sigmoid"](gate).to(act)
+        return w.o.matmul(o)
 
     # -- QSA indexed attention on the device ----------------------------------------------------------------------
     def _geometry(self, m: _Meta) -> dict[str, torch.Tensor]:
