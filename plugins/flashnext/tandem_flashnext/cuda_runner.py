@@ -590,13 +590,13 @@ class FlashNextCudaRunner(FlashNextRunner):
                 out = self._qsa_step(h, layer.mixer, cfg.slot(i), m, cos, sin, geo)
             if capture is not None:
                 capture.append((f"layer {i} {layer.kind} mixer", out[:n].clone()))
-            x = x + (out[:, None, :] * inject[:, :, None]).reshape(W, -1)
+            x = self._inject(x, out, inject)
             h, inject = self._hyper(x, layer.mlp_hc)
             assert inject is not None
             out = self._moe_step(h, layer.moe, i, m)
             if capture is not None:
                 capture.append((f"layer {i} mlp", out[:n].clone()))
-            x = x + (out[:, None, :] * inject[:, :, None]).reshape(W, -1)
+            x = self._inject(x, out, inject)
             if i in self._taps:
                 taps[i] = x.clone()
         if decode:
@@ -634,11 +634,24 @@ class FlashNextCudaRunner(FlashNextRunner):
         return self._op["rms_norm_1p"](x.reshape(R, groups, -1), wt.view(groups, -1),
                                        self.cfg.rms_norm_eps).reshape(R, -1)
 
+    def _parts(self, wt: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The skinny matmul's own output: ``[W, N]`` bf16, or fp32 partials ``[S, W, N]`` where the plan cuts K."""
+        from tandem_core.ops import triton_matmul as tm
+
+        return tm.skinny_matmul(x if x.stride(1) == 1 else x.contiguous(), wt,
+                                tm.plan_for(int(wt.shape[0]), int(wt.shape[1])))
+
     def _hyper(self, x: torch.Tensor, hw: HyperWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
         # the streams x: [W, n*H] -> the block's input [W, H] and the inject weights [W, n] (blocks.hyper_mix)
         op, nh, act = self._op, self.cfg.hc_count, x.dtype
         W = x.shape[0]
         normed = self._norm(x, hw.norm, nh)                                        # normed: [W, n*H]
+        if self._triton:                                   # four launches past the norm and the matmuls
+            mix = tq.act(self._parts(hw.down.weight, normed), 1.0 / nh, 1.0, "silu")       # [W, R]
+            mixed = tq.hyper_combine(self._lin(hw.up, mix), normed, nh)                      # [W, H]
+            if hw.inject is None:
+                return mixed, None
+            return mixed, tq.act(self._parts(hw.inject.weight, normed), 1.0 / nh, 2.0, "sigmoid")
         mix = op["silu"](self._lin(hw.down, normed) / nh).to(act)                  # mix: [W, R]
         mix = op["sigmoid"](self._lin(hw.up, mix)).to(act).view(W, nh, -1)         # mix: [W, n, H]
         gated = mix * normed.view(W, nh, -1)
@@ -649,6 +662,12 @@ class FlashNextCudaRunner(FlashNextRunner):
         if hw.inject is None:
             return mixed, None
         return mixed, (2 * op["sigmoid"](self._lin(hw.inject, normed) / nh)).to(act)
+
+    def _inject(self, x: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+        # each stream gets the block's output times its weight (blocks.hyper_inject); on CUDA x in place
+        if self._triton:
+            return tq.inject_add(x, out, inject)
+        return x + (out[:, None, :] * inject[:, :, None]).reshape(x.shape[0], -1)
 
     def _ple_step(self, x: torch.Tensor, p: Any, slot: int, m: _Meta, decode: bool) -> torch.Tensor:
         # x: [W, n*H] -> what the PLE module adds [W, n*H] (tandem_flashnext.ple.ple over the gathered rows)

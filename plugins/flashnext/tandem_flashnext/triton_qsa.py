@@ -12,6 +12,13 @@ keys[r, b])) / div`` in fp32, ``f`` relu (the QSA indexer's block scores) or the
 one head, one key a row); keys past ``nvalid[r]`` score ``-1``. ``keys`` is ``[B, D]`` shared by every row
 (``key_node_stride`` 0: the committed blocks' keys) or ``[R, B, D]`` (each row its own).
 
+The hyper-connections' elementwise pieces, one launch each (rows alone, so row invariant):
+
+    act(x, scale, mul, kind)              bf16(mul * act(scale * x)), x a bf16 [R, N] or the fp32 partials
+                                          [S, R, N] of a split matmul (added in index order), act silu / sigmoid
+    hyper_combine(up [R, n*H], normed)    sum over the streams of bf16(sigmoid(up_s)) * normed_s, over n
+    inject_add(x [R, n*H], d [R, H], w)   x_s += bf16(d * w[:, s]) for every stream, in place
+
 ``gathered_attention``: program (row, KV head, split): online softmax over the row's slots
 ``slots[r, s*chunk .. (s+1)*chunk - 1]`` (``-1``: none), the ``G = Hq/Hkv`` query heads of the KV head at
 once; the ``SPLIT`` partial results are combined in split order (``combine``). Chunks, tiles and splits
@@ -29,8 +36,9 @@ import torch
 
 from tandem_core.ops import triton_pdl as pdl
 
-__all__ = ["SPLIT", "gathered_attention", "gathered_attention_ref", "group_norm1p", "group_norm1p_ref",
-           "head_scores", "head_scores_ref", "kernels"]
+__all__ = ["SPLIT", "act", "act_ref", "gathered_attention", "gathered_attention_ref", "group_norm1p",
+           "group_norm1p_ref", "head_scores", "head_scores_ref", "hyper_combine", "hyper_combine_ref", "inject_add",
+           "inject_add_ref", "kernels"]
 
 SPLIT = 8          # programs a (row, KV head) of the gathered attention
 BN = 32            # slots a step of a program
@@ -126,7 +134,61 @@ def _build() -> dict[str, Any]:
         tl.store(l_ptr + base * BG + offs_g, l_i)
         tl.store(acc_ptr + (base * BG + offs_g)[:, None] * BD + offs_d[None, :], acc)
 
-    return {"group_norm": group_norm_kernel, "scores": scores_kernel, "gathered": gathered_kernel}
+    @triton.jit
+    def act_kernel(x_ptr, out_ptr, N, stride_ps, stride_pm, stride_o, scale, mul, NP: tl.constexpr,
+                   ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        # one row: y = bf16(mul * act(scale * bf16(sum_s parts[s]))); NP 0: x bf16 [R, N] itself
+        r = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        if NP == 0:
+            v = tl.load(x_ptr + r * stride_pm + offs, mask=ok, other=0.0).to(tl.float32)
+        else:
+            v = tl.load(x_ptr + r * stride_pm + offs, mask=ok, other=0.0)
+            for s in tl.static_range(1, NP):
+                v += tl.load(x_ptr + s * stride_ps + r * stride_pm + offs, mask=ok, other=0.0)
+            v = v.to(tl.bfloat16).to(tl.float32)
+        v = v * scale
+        if ACT == 0:
+            y = v / (1.0 + tl.exp(-v))
+        else:
+            y = 1.0 / (1.0 + tl.exp(-v))
+        tl.store(out_ptr + r * stride_o + offs, (y * mul).to(tl.bfloat16), mask=ok)
+
+    @triton.jit
+    def combine_kernel(up_ptr, normed_ptr, out_ptr, H, stride_u, stride_n, stride_o, inv_n, NS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        # one row: out = bf16(sum_s bf16(sigmoid(up_s)) * normed_s / n), the streams in order
+        r = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < H
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(NS):
+            u = tl.load(up_ptr + r * stride_u + s * H + offs, mask=ok, other=0.0).to(tl.float32)
+            g = (1.0 / (1.0 + tl.exp(-u))).to(tl.bfloat16).to(tl.float32)
+            x = tl.load(normed_ptr + r * stride_n + s * H + offs, mask=ok, other=0.0).to(tl.float32)
+            acc += g * x
+        tl.store(out_ptr + r * stride_o + offs, (acc * inv_n).to(tl.bfloat16), mask=ok)
+
+    @triton.jit
+    def inject_kernel(x_ptr, d_ptr, w_ptr, H, stride_x, stride_d, stride_w, NS: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        # one row: x[s] <- bf16(x[s] + bf16(d * w[s])) for every stream s, in place
+        r = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < H
+        d = tl.load(d_ptr + r * stride_d + offs, mask=ok, other=0.0).to(tl.float32)
+        for s in tl.static_range(NS):
+            w = tl.load(w_ptr + r * stride_w + s).to(tl.float32)
+            x = tl.load(x_ptr + r * stride_x + s * H + offs, mask=ok, other=0.0).to(tl.float32)
+            y = x + (d * w).to(tl.bfloat16).to(tl.float32)
+            tl.store(x_ptr + r * stride_x + s * H + offs, y.to(tl.bfloat16), mask=ok)
+
+    return {"group_norm": group_norm_kernel, "scores": scores_kernel, "gathered": gathered_kernel,
+            "act": act_kernel, "combine": combine_kernel, "inject": inject_kernel}
 
 
 def kernels() -> dict[str, Any]:
@@ -262,3 +324,73 @@ def gathered_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots:
                                            float(scale), HKV=hkv, G=G, BG=parts.BG, D=D, BD=parts.BD, BN=BN,
                                            SPLIT=SPLIT, num_warps=4, **pdl.launch_kw())
     return combine(parts, R, hkv, G, D, q.dtype)
+
+
+# -- the hyper-connections' elementwise pieces -----------------------------------------------------------------
+_ACTS = {"silu": 0, "sigmoid": 1}
+
+
+def act_ref(x: torch.Tensor, scale: float, mul: float, kind: str) -> torch.Tensor:
+    """``x``: bf16 ``[R, N]`` or fp32 partials ``[S, R, N]`` -> ``bf16(mul * act(scale * x))`` ``[R, N]``."""
+    if x.dim() == 3:
+        acc = x[0].clone()
+        for s in range(1, x.shape[0]):
+            acc += x[s]
+        x = acc.to(torch.bfloat16)
+    v = x.float() * scale
+    y = v * torch.sigmoid(v) if kind == "silu" else torch.sigmoid(v)
+    return (y * mul).to(torch.bfloat16)
+
+
+def act(x: torch.Tensor, scale: float, mul: float, kind: str) -> torch.Tensor:
+    """``act_ref`` on CUDA (one program a row and 1024 columns)."""
+    if x.dim() == 3:
+        S, R, N = x.shape
+        np_, sps, spm = S, x.stride(0), x.stride(1)
+    else:
+        R, N = x.shape
+        np_, sps, spm = 0, 0, x.stride(0)
+    out = torch.empty(R, N, dtype=torch.bfloat16, device=x.device)
+    B = min(1024, _p2(N))
+    kernels()["act"][(R, (N + B - 1) // B)](x, out, N, sps, spm, out.stride(0), float(scale), float(mul), NP=np_,
+                                            ACT=_ACTS[kind], BLOCK=B, num_warps=4, **pdl.launch_kw())
+    return out
+
+
+def hyper_combine_ref(up: torch.Tensor, normed: torch.Tensor, n: int) -> torch.Tensor:
+    R = up.shape[0]
+    g = torch.sigmoid(up.float().view(R, n, -1)).to(torch.bfloat16).float()
+    acc = None
+    for s in range(n):
+        t = g[:, s] * normed.float().view(R, n, -1)[:, s]
+        acc = t if acc is None else acc + t
+    assert acc is not None
+    return (acc * (1.0 / n)).to(torch.bfloat16)
+
+
+def hyper_combine(up: torch.Tensor, normed: torch.Tensor, n: int) -> torch.Tensor:
+    """``hyper_combine_ref`` on CUDA: ``up, normed: [R, n*H]`` bf16 (unit column stride) -> ``[R, H]`` bf16."""
+    R, C = up.shape
+    H = C // n
+    out = torch.empty(R, H, dtype=torch.bfloat16, device=up.device)
+    B = min(1024, _p2(H))
+    kernels()["combine"][(R, (H + B - 1) // B)](up, normed, out, H, up.stride(0), normed.stride(0), out.stride(0),
+                                                1.0 / n, NS=n, BLOCK=B, num_warps=4, **pdl.launch_kw())
+    return out
+
+
+def inject_add_ref(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    R, n = w.shape
+    y = x.float().view(R, n, -1) + (d.float()[:, None, :] * w.float()[:, :, None]).to(torch.bfloat16).float()
+    return y.to(torch.bfloat16).view(R, -1)
+
+
+def inject_add(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``inject_add_ref`` on CUDA, ``x`` updated in place (and returned): ``x: [R, n*H]``, ``d: [R, H]``, ``w:
+    [R, n]`` bf16."""
+    R, n = w.shape
+    H = d.shape[1]
+    B = min(1024, _p2(H))
+    kernels()["inject"][(R, (H + B - 1) // B)](x, d, w, H, x.stride(0), d.stride(0), w.stride(0), NS=n, BLOCK=B,
+                                               num_warps=4, **pdl.launch_kw())
+    return x

@@ -130,6 +130,26 @@ def test_gathered_attention_equals_its_reference_row_by_row(R, hq, hkv, D, M):
     assert torch.equal(one[0], got[-1])                              # a row's bits do not depend on its call
 
 
+@pytest.mark.parametrize("R,n,H,S", [(5, 3, 40, 4), (64, 4, 2560, 1), (1, 4, 320, 4)], ids=["small", "streams", "low-rank"])
+def test_the_hyper_connection_pieces_equal_their_references(R, n, H, S):
+    from tandem_flashnext import triton_qsa as tq
+
+    g = torch.Generator(device="cuda").manual_seed(R + H)
+    parts = torch.randn(S, R, H, device="cuda", generator=g)
+    for kind, scale, mul in (("silu", 1 / n, 1.0), ("sigmoid", 1 / n, 2.0)):
+        assert rel(tq.act(parts, scale, mul, kind), tq.act_ref(parts, scale, mul, kind)) < 1e-2
+        assert rel(tq.act(parts[0].bfloat16(), scale, mul, kind), tq.act_ref(parts[0].bfloat16(), scale, mul, kind)) < 1e-2
+    up = torch.randn(R, n * H, device="cuda", generator=g).bfloat16()
+    normed = torch.randn(R, n * H, device="cuda", generator=g).bfloat16()
+    mixed = tq.hyper_combine(up, normed, n)
+    assert rel(mixed, tq.hyper_combine_ref(up, normed, n)) < 1e-2
+    assert torch.equal(tq.hyper_combine(up[-1:].clone(), normed[-1:].clone(), n)[0], mixed[-1])
+    x = torch.randn(R, n * H, device="cuda", generator=g).bfloat16()
+    d = torch.randn(R, H, device="cuda", generator=g).bfloat16()
+    w = torch.rand(R, n, device="cuda", generator=g).bfloat16()
+    assert rel(tq.inject_add(x.clone(), d, w), tq.inject_add_ref(x, d, w)) < 1e-2
+
+
 # -- the runner ------------------------------------------------------------------------------------------------
 class TestFlashNextCudaGraphRunner(RunnerContract):
     @pytest.fixture(scope="class")
