@@ -21,7 +21,8 @@ The hyper-connections' elementwise pieces, one launch each (rows alone, so row i
 
 ``gathered_attention``: program (row, KV head, split): online softmax over the row's slots
 ``slots[r, s*chunk .. (s+1)*chunk - 1]`` (``-1``: none), the ``G = Hq/Hkv`` query heads of the KV head at
-once; the ``SPLIT`` partial results are combined in split order (``combine``). Chunks, tiles and splits
+once; the ``SPLIT`` partial results are merged in split order (one program a row and KV head; ``combine`` is
+that merge in torch). Chunks, tiles and splits
 depend on ``M`` and the head shape only, so a row's output does not depend on the rows beside it: a
 verified row equals the decode row bit for bit.
 
@@ -187,7 +188,33 @@ def _build() -> dict[str, Any]:
             y = x + (d * w).to(tl.bfloat16).to(tl.float32)
             tl.store(x_ptr + r * stride_x + s * H + offs, y.to(tl.bfloat16), mask=ok)
 
+    @triton.jit
+    def merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_o, HKV: tl.constexpr, G: tl.constexpr,
+                     BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        # one (row, KV head): the splits' partials merged in split order (``combine``'s arithmetic)
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_g = tl.arange(0, BG)
+        offs_d = tl.arange(0, BD)
+        base = (r * HKV + h) * SPLIT
+        top = tl.load(m_ptr + base * BG + offs_g)
+        for s in tl.static_range(1, SPLIT):
+            top = tl.maximum(top, tl.load(m_ptr + (base + s) * BG + offs_g))
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        num = tl.zeros((BG, BD), dtype=tl.float32)
+        den = tl.zeros((BG,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            w = tl.exp(tl.load(m_ptr + (base + s) * BG + offs_g) - safe)
+            num += tl.load(acc_ptr + ((base + s) * BG + offs_g)[:, None] * BD + offs_d[None, :]) * w[:, None]
+            den += tl.load(l_ptr + (base + s) * BG + offs_g) * w
+        o = num / tl.where(den > 0, den, 1.0)[:, None]
+        ok = (offs_g < G)[:, None] & (offs_d < D)[None, :]
+        tl.store(out_ptr + r * stride_o + (h * G + offs_g)[:, None] * D + offs_d[None, :], o.to(tl.bfloat16),
+                 mask=ok)
+
     return {"group_norm": group_norm_kernel, "scores": scores_kernel, "gathered": gathered_kernel,
+            "merge": merge_kernel,
             "act": act_kernel, "combine": combine_kernel, "inject": inject_kernel}
 
 
@@ -323,7 +350,10 @@ def gathered_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots:
                                            K.stride(0), K.stride(1), V.stride(0), V.stride(1), slots.stride(0),
                                            float(scale), HKV=hkv, G=G, BG=parts.BG, D=D, BD=parts.BD, BN=BN,
                                            SPLIT=SPLIT, num_warps=4, **pdl.launch_kw())
-    return combine(parts, R, hkv, G, D, q.dtype)
+    out = torch.empty(R, hq * D, dtype=torch.bfloat16, device=q.device)
+    kernels()["merge"][(R, hkv)](parts.m, parts.l, parts.acc, out, out.stride(0), HKV=hkv, G=G, BG=parts.BG, D=D,
+                                 BD=parts.BD, SPLIT=SPLIT, num_warps=4, **pdl.launch_kw())
+    return out
 
 
 # -- the hyper-connections' elementwise pieces -----------------------------------------------------------------
