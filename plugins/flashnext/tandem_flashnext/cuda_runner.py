@@ -189,6 +189,7 @@ class _Fused:
     gate_up: list[torch.Tensor]         # per layer [E, 2I, H] (each expert's gate and up rebound to its rows)
     down: list[torch.Tensor]            # per layer [E, H, I]
     shared_gu: list[torch.Tensor]       # per layer [2Is, H]
+    attn_qkv: list[torch.Tensor]        # per attention slot [2*Hq*D + 2*Hkv*D, H]: q (query | gate a head) | k | v
 
 
 _FUSED: dict[int, _Fused] = {}
@@ -217,13 +218,15 @@ def _fused(cfg: FlashNextConfig, weights: FlashNextWeights) -> _Fused:
     got = _FUSED.get(key)
     if got is not None:
         return got
-    gdn_in, alog, dtb, gate_up, down, shared = [], [], [], [], [], []
+    gdn_in, alog, dtb, gate_up, down, shared, qkv = [], [], [], [], [], [], []
     for layer in weights.layers:
         m = layer.mixer
         if isinstance(m, GDNWeights):
             gdn_in.append(_cat_rebind([m.in_qkv, m.in_z, m.in_b, m.in_a]))
             alog.append(m.A_log.float())
             dtb.append(m.dt_bias.float())
+        else:
+            qkv.append(_cat_rebind([m.q, m.k, m.v]))
         mo = layer.moe
         I = mo.experts[0].gate.shape[0]
         gu = torch.empty(len(mo.experts), 2 * I, cfg.hidden_size, dtype=mo.experts[0].gate.weight.dtype,
@@ -237,7 +240,7 @@ def _fused(cfg: FlashNextConfig, weights: FlashNextWeights) -> _Fused:
         shared.append(_cat_rebind([mo.shared.gate, mo.shared.up]))
     hv, dev = cfg.linear_num_value_heads, weights.device
     got = _Fused(gdn_in, torch.stack(alog) if alog else torch.zeros(0, hv, device=dev),
-                 torch.stack(dtb) if dtb else torch.zeros(0, hv, device=dev), gate_up, down, shared)
+                 torch.stack(dtb) if dtb else torch.zeros(0, hv, device=dev), gate_up, down, shared, qkv)
     _FUSED[key] = got
     weakref.finalize(weights, _FUSED.pop, key, None)
     return got
@@ -276,7 +279,8 @@ class _Meta:
                  device: torch.device) -> None:
         self.W, self.k1, self.kp = W, k1, kp
         pin = device.type == "cuda"
-        self.sizes32 = {"head": 2, "anc": W * W, "win": W * k1, "plan": 3 * W, "path": W, "pwin": W * kp}
+        self.sizes32 = {"head": 2, "pos32": W, "anc": W * W, "win": W * k1, "plan": 3 * W, "path": W,
+                        "pwin": W * kp}
         self.off: dict[str, tuple[int, int]] = {}
         o = 0
         for name, n in self.sizes32.items():
@@ -290,6 +294,7 @@ class _Meta:
         self.emb = torch.zeros(n_ple, W, E, dtype=act, device=device)
         self.ids, self.pos, self.at = self.d64[:W], self.d64[W:2 * W], self.d64[2 * W:]
         self.head, self.n = self.d("head"), self.d("head")[1:2]
+        self.pos32 = self.d("pos32")
         self.anc = self.d("anc").view(W, W)
         self.win = self.d("win").view(W, k1)
         self.plan, self.path = self.d("plan"), self.d("path")
@@ -330,6 +335,7 @@ class _Meta:
             return h32[o:o + m]
 
         part("head")[:] = (L, n)
+        part("pos32")[:] = h64[W:2 * W]
         av = part("anc").reshape(W, W)
         for i, a in enumerate(anc):
             av[i, :len(a)] = a
@@ -873,19 +879,31 @@ class FlashNextCudaRunner(FlashNextRunner):
         cfg, op, act, W = self.cfg, self._op, h.dtype, m.W
         hq, hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         hi, di, r = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
-        qg = self._lin(w.q, h).view(W, hq, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:].reshape(W, hq * D)
-        k = self._lin(w.k, h).view(W, hkv, D)
-        v = self._lin(w.v, h).view(W, hkv, D)
-        q = op["rope"](self._norm(q.reshape(W, hq * D), w.q_norm, hq).view(W, hq, D), cos, sin)
-        k = op["rope"](self._norm(k.reshape(W, hkv * D), w.k_norm, hkv).view(W, hkv, D), cos, sin)
+        Kc, Vc, IK, BK = self._K[slot], self._V[slot], self._IK[slot], self._BK[slot]
+        if self._triton:               # one matmul for q | k | v, then norms, rope and the K/V rows in one launch
+            from tandem_core.ops import triton_fused as tf
+            from tandem_core.ops import triton_matmul as tm
+
+            assert self._fw is not None
+            wq = self._fw.attn_qkv[slot]
+            raw = tm.skinny_matmul(h, wq, _whole(wq))                              # [W, 2HqD + 2HkvD]
+            q = torch.empty(W, hq * D, dtype=act, device=h.device)
+            tf.qk_post(raw, w.q_norm, w.k_norm, self._inv_freq, m.pos32, m.head, q, Kc, Vc, hq, hkv, D,
+                       cfg.rotary_dim, cfg.rms_norm_eps, W)                        # K, V rows at L + node
+            gate = raw[:, :2 * hq * D].reshape(W, hq, 2 * D)[..., D:].reshape(W, hq * D)
+        else:
+            qg = self._lin(w.q, h).view(W, hq, 2 * D)
+            q, gate = qg[..., :D], qg[..., D:].reshape(W, hq * D)
+            k = self._lin(w.k, h).view(W, hkv, D)
+            v = self._lin(w.v, h).view(W, hkv, D)
+            q = op["rope"](self._norm(q.reshape(W, hq * D), w.q_norm, hq).view(W, hq, D), cos, sin)
+            k = op["rope"](self._norm(k.reshape(W, hkv * D), w.k_norm, hkv).view(W, hkv, D), cos, sin)
+            Kc.index_copy_(1, m.at, k.transpose(0, 1).to(Kc.dtype))
+            Vc.index_copy_(1, m.at, v.transpose(0, 1).to(Vc.dtype))
         iqk = self._lin(w.index_qk, h)                                             # [W, (Hi + 1)*Di]
         iq = self._norm(iqk[:, :hi * di], w.index_q_norm, hi).view(W, hi, di)
         iq = op["rope"](iq, cos, sin)                                              # iq: [W, Hi, Di]
         ik = iqk[:, hi * di:]                                                      # ik: [W, Di] raw keys
-        Kc, Vc, IK, BK = self._K[slot], self._V[slot], self._IK[slot], self._BK[slot]
-        Kc.index_copy_(1, m.at, k.transpose(0, 1).to(Kc.dtype))
-        Vc.index_copy_(1, m.at, v.transpose(0, 1).to(Vc.dtype))
         IK.index_copy_(0, m.at, ik.to(IK.dtype))
         # each node's frontier blocks, pooled from its own path's raw keys: [W, F, Di]
         F = geo["fstart"].shape[1]
@@ -909,7 +927,7 @@ class FlashNextCudaRunner(FlashNextRunner):
         sel = torch.cat([tslot, geo["tslots"]], dim=1).to(torch.int32)             # sel: [W, k*r + r]
         scale = D ** -0.5
         if self._triton:
-            o = tq.gathered_attention(q.reshape(W, hq * D).contiguous(), Kc, Vc, sel, scale, hkv, self._attn)
+            o = tq.gathered_attention(q, Kc, Vc, sel, scale, hkv, self._attn)
         else:
             o = tq.gathered_attention_ref(q.reshape(W, hq * D), Kc, Vc, sel, scale, hkv)
         o = o * op["sigmoid"](gate).to(act)
