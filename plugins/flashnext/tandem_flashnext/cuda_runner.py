@@ -300,6 +300,7 @@ class _Meta:
         self.plan, self.path = self.d("plan"), self.d("path")
         self.pwin = self.d("pwin").view(W, kp)
         self._done = torch.cuda.Event() if pin else None
+        self.pool_head: torch.Tensor | None = None      # [0, W * F] int32 on the device (the runner sets it)
         # the host's copy of the round (the torch form and the PLE gather read it)
         self.L, self.count, self.parents, self.decode = 0, 0, (-1,), False
 
@@ -409,6 +410,9 @@ class FlashNextCudaRunner(FlashNextRunner):
         self._ple_taps = (cfg.ple_conv_tail, cfg.ple_conv_dilation)
         self.metas: dict[Any, _Meta] = {w: _Meta(w, k1, kp, n_ple, E, act, dev) for w in widths}
         self.metas["decode"] = _Meta(1, k1, kp, n_ple, E, act, dev)
+        r = cfg.indexer_compress_ratio
+        for meta in self.metas.values():                # the frontier blocks a width pools: W * F of them
+            meta.pool_head = torch.tensor([0, meta.W * ((r - 1 + meta.W) // r)], dtype=torch.int32, device=dev)
         H, nH = cfg.hidden_size, cfg.hc_dim
         # what a verify keeps for the commit: the streams, the PLE conv inputs, the Gated DeltaNet's rows
         self._streams = torch.zeros(Wm, nH, dtype=act, device=dev)
@@ -750,7 +754,7 @@ class FlashNextCudaRunner(FlashNextRunner):
         routed = tmoe.grouped_experts(h, experts, weights, fw.gate_up[layer], fw.down[layer], live=m.n)
         gu = self._lin(fw.shared_gu[layer], h)                                     # [W, 2Is]
         a = tf.silu_mul(gu, torch.empty(h.shape[0], gu.shape[1] // 2, dtype=act, device=h.device))
-        shared = self._lin(w.shared.down, a) * op["sigmoid"](self._lin(w.shared_gate, h)).to(act)
+        shared = self._lin(w.shared.down, a) * tq.act(self._parts(w.shared_gate.weight, h), 1.0, 1.0, "sigmoid")
         return routed + shared
 
     # -- prefill's device forms (batched: a prefill need not be row invariant) -------------------------------------
@@ -861,15 +865,29 @@ class FlashNextCudaRunner(FlashNextRunner):
                 "tslots": torch.where(tpos <= pos[:, None], slots(tpos), -1), "own": (pos + 1) % r == 0,
                 "L": L, "anc": anc}
 
-    def _pool(self, raw: torch.Tensor, starts: torch.Tensor, w: AttentionWeights) -> torch.Tensor:
+    def _pool(self, raw: torch.Tensor, starts: torch.Tensor, w: AttentionWeights,
+              head: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks' keys from their raw keys ``raw: [B, r, Di]`` at block starts ``[B]``: the mean (summed row by
-        row), ``index_k_norm``, rope at the start (``qsa.block_keys``) -> ``[B, Di]``."""
+        row), ``index_k_norm``, rope at the start (``qsa.block_keys``) -> ``[B, Di]``. On CUDA the norm and the
+        rope are one ``qk_post`` launch (``head``: the device's ``[0, B]``; made here when None)."""
         r = raw.shape[1]
         f = raw.float()
         total = f[:, 0]
         for j in range(1, r):
             total = total + f[:, j]
-        pooled = self._norm((total / r).to(raw.dtype), w.index_k_norm, 1)
+        mean = (total / r).to(raw.dtype)
+        if self._triton:
+            from tandem_core.ops import triton_fused as tf
+
+            B = mean.shape[0]
+            if head is None:
+                head = torch.tensor([0, B], dtype=torch.int32, device=mean.device)
+            out = torch.zeros_like(mean)
+            K0 = self._K[0]
+            tf.qk_post(mean, w.index_k_norm, w.index_k_norm, self._inv_freq, starts.to(torch.int32), head, out, K0,
+                       K0, 1, 0, mean.shape[1], self.cfg.rotary_dim, self.cfg.rms_norm_eps, B, gated=False)
+            return out
+        pooled = self._norm(mean, w.index_k_norm, 1)
         cos, sin = _rope.cos_sin(starts, self._inv_freq)
         return self._op["rope"](pooled[:, None, :], cos, sin)[:, 0]
 
@@ -887,7 +905,7 @@ class FlashNextCudaRunner(FlashNextRunner):
             assert self._fw is not None
             wq = self._fw.attn_qkv[slot]
             raw = tm.skinny_matmul(h, wq, _whole(wq))                              # [W, 2HqD + 2HkvD]
-            q = torch.empty(W, hq * D, dtype=act, device=h.device)
+            q = torch.zeros(W, hq * D, dtype=act, device=h.device)       # rows past the tree stay zero
             tf.qk_post(raw, w.q_norm, w.k_norm, self._inv_freq, m.pos32, m.head, q, Kc, Vc, hq, hkv, D,
                        cfg.rotary_dim, cfg.rms_norm_eps, W)                        # K, V rows at L + node
             gate = raw[:, :2 * hq * D].reshape(W, hq, 2 * D)[..., D:].reshape(W, hq * D)
@@ -901,14 +919,22 @@ class FlashNextCudaRunner(FlashNextRunner):
             Kc.index_copy_(1, m.at, k.transpose(0, 1).to(Kc.dtype))
             Vc.index_copy_(1, m.at, v.transpose(0, 1).to(Vc.dtype))
         iqk = self._lin(w.index_qk, h)                                             # [W, (Hi + 1)*Di]
-        iq = self._norm(iqk[:, :hi * di], w.index_q_norm, hi).view(W, hi, di)
-        iq = op["rope"](iq, cos, sin)                                              # iq: [W, Hi, Di]
+        if self._triton:                            # the indexer's queries: norm and rope, one launch
+            from tandem_core.ops import triton_fused as tf
+
+            iq = torch.zeros(W, hi * di, dtype=act, device=h.device)
+            tf.qk_post(iqk, w.index_q_norm, w.index_q_norm, self._inv_freq, m.pos32, m.head, iq, Kc, Vc, hi, 0, di,
+                       cfg.rotary_dim, cfg.rms_norm_eps, W, gated=False)
+            iq = iq.view(W, hi, di)
+        else:
+            iq = self._norm(iqk[:, :hi * di], w.index_q_norm, hi).view(W, hi, di)
+            iq = op["rope"](iq, cos, sin)                                          # iq: [W, Hi, Di]
         ik = iqk[:, hi * di:]                                                      # ik: [W, Di] raw keys
         IK.index_copy_(0, m.at, ik.to(IK.dtype))
         # each node's frontier blocks, pooled from its own path's raw keys: [W, F, Di]
         F = geo["fstart"].shape[1]
         fk = self._pool(IK.index_select(0, geo["fslots"].reshape(-1)).view(W * F, r, di),
-                        geo["fstart"].reshape(-1), w).view(W, F, di)
+                        geo["fstart"].reshape(-1), w, m.pool_head).view(W, F, di)
         last = (geo["nf"] - 1).clamp(min=0)
         own = fk.gather(1, last[:, None, None].expand(W, 1, di))[:, 0]
         BK.index_copy_(0, m.at, torch.where(geo["own"][:, None], own, torch.zeros_like(own)))
