@@ -95,6 +95,8 @@ def kernels() -> list[str]:
     check("hyper_combine", rel(tq.hyper_combine(up, nrm, 3), tq.hyper_combine_ref(up, nrm, 3)))
     xx, dd, ww = torch.randn(5, 120).bfloat16(), torch.randn(5, 40).bfloat16(), torch.rand(5, 3).bfloat16()
     check("inject_add", rel(tq.inject_add(xx.clone(), dd, ww), tq.inject_add_ref(xx, dd, ww)))
+    dp = torch.randn(2, 5, 40)
+    check("inject_add (split partials)", rel(tq.inject_add(xx.clone(), dp, ww), tq.inject_add_ref(xx, dp, ww)))
     return bad
 
 

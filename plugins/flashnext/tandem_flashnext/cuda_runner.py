@@ -599,7 +599,7 @@ class FlashNextCudaRunner(FlashNextRunner):
                 assert geo is not None
                 out = self._qsa_step(h, layer.mixer, cfg.slot(i), m, cos, sin, geo)
             if capture is not None:
-                capture.append((f"layer {i} {layer.kind} mixer", out[:n].clone()))
+                capture.append((f"layer {i} {layer.kind} mixer", _rows_of(out)[:n].clone()))
             x = self._inject(x, out, inject)
             h, inject = self._hyper(x, layer.mlp_hc)
             assert inject is not None
@@ -734,7 +734,7 @@ class FlashNextCudaRunner(FlashNextRunner):
         if decode:
             tf.conv_commit(self._conv[slot:slot + 1], self._proj[slot:slot + 1], m.path, m.n)
         tf.gated_rms_norm(self._o[:W], proj[:, C:], w.norm, cfg.rms_norm_eps, self._onorm[:W])
-        return self._lin(w.out, self._onorm[:W])
+        return self._parts(w.out.weight, self._onorm[:W])               # the inject adds any split's partials
 
     def _moe_step(self, h: torch.Tensor, w: MoEWeights, layer: int, m: _Meta) -> torch.Tensor:
         # h: [W, H] -> [W, H]: the experts the nodes chose, each once over the nodes that chose it, and the shared
@@ -957,7 +957,7 @@ class FlashNextCudaRunner(FlashNextRunner):
         else:
             o = tq.gathered_attention_ref(q.reshape(W, hq * D), Kc, Vc, sel, scale, hkv)
         o = o * op["sigmoid"](gate).to(act)
-        return self._lin(w.o, o)
+        return self._parts(w.o.weight, o) if self._triton else self._lin(w.o, o)
 
     def _select_host(self, iq: torch.Tensor, bk: torch.Tensor, fk: torch.Tensor, m: _Meta) -> tuple[
             torch.Tensor, torch.Tensor]:
@@ -1058,6 +1058,15 @@ class FlashNextCudaRunner(FlashNextRunner):
         mode = "graphs" if self.use_graphs else "static"
         return (f"FlashNextCudaRunner({self.cfg.num_hidden_layers} layers, {self.w.dtype}, {self.device}, {mode}, "
                 f"widths {self.widths[0]}..{self.widths[-1]})")
+
+
+def _rows_of(out: torch.Tensor) -> torch.Tensor:
+    """A mixer's output rows ``[W, H]`` (its fp32 partials added in index order and rounded, as the inject does)."""
+    if out.dim() == 2:
+        return out
+    from tandem_core.ops import triton_matmul as tm
+
+    return tm.reduce_parts(out).to(torch.bfloat16)
 
 
 def _whole(w: torch.Tensor) -> Any:

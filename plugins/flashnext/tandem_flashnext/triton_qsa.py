@@ -174,14 +174,21 @@ def _build() -> dict[str, Any]:
         tl.store(out_ptr + r * stride_o + offs, (acc * inv_n).to(tl.bfloat16), mask=ok)
 
     @triton.jit
-    def inject_kernel(x_ptr, d_ptr, w_ptr, H, stride_x, stride_d, stride_w, NS: tl.constexpr,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def inject_kernel(x_ptr, d_ptr, w_ptr, H, stride_x, stride_ds, stride_d, stride_w, NS: tl.constexpr,
+                      NP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
-        # one row: x[s] <- bf16(x[s] + bf16(d * w[s])) for every stream s, in place
+        # one row: x[s] <- bf16(x[s] + bf16(d * w[s])) for every stream s, in place; d = bf16(sum of NP fp32
+        # partials) (NP 0: d bf16 itself)
         r = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < H
-        d = tl.load(d_ptr + r * stride_d + offs, mask=ok, other=0.0).to(tl.float32)
+        if NP == 0:
+            d = tl.load(d_ptr + r * stride_d + offs, mask=ok, other=0.0).to(tl.float32)
+        else:
+            d = tl.load(d_ptr + r * stride_d + offs, mask=ok, other=0.0)
+            for p in tl.static_range(1, NP):
+                d += tl.load(d_ptr + p * stride_ds + r * stride_d + offs, mask=ok, other=0.0)
+            d = d.to(tl.bfloat16).to(tl.float32)
         for s in tl.static_range(NS):
             w = tl.load(w_ptr + r * stride_w + s).to(tl.float32)
             x = tl.load(x_ptr + r * stride_x + s * H + offs, mask=ok, other=0.0).to(tl.float32)
@@ -411,16 +418,23 @@ def hyper_combine(up: torch.Tensor, normed: torch.Tensor, n: int) -> torch.Tenso
 
 def inject_add_ref(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     R, n = w.shape
+    if d.dim() == 3:                                      # fp32 partials, added in index order
+        acc = d[0].clone()
+        for s in range(1, d.shape[0]):
+            acc += d[s]
+        d = acc.to(torch.bfloat16)
     y = x.float().view(R, n, -1) + (d.float()[:, None, :] * w.float()[:, :, None]).to(torch.bfloat16).float()
     return y.to(torch.bfloat16).view(R, -1)
 
 
 def inject_add(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``inject_add_ref`` on CUDA, ``x`` updated in place (and returned): ``x: [R, n*H]``, ``d: [R, H]``, ``w:
-    [R, n]`` bf16."""
+    """``inject_add_ref`` on CUDA, ``x`` updated in place (and returned): ``x: [R, n*H]``, ``d: [R, H]`` bf16 or
+    the fp32 partials ``[S, R, H]`` of a split matmul, ``w: [R, n]`` bf16."""
     R, n = w.shape
-    H = d.shape[1]
+    H = d.shape[-1]
+    np_, sds = (d.shape[0], d.stride(0)) if d.dim() == 3 else (0, 0)
+    sd = d.stride(-2)
     B = min(1024, _p2(H))
-    kernels()["inject"][(R, (H + B - 1) // B)](x, d, w, H, x.stride(0), d.stride(0), w.stride(0), NS=n, BLOCK=B,
-                                               num_warps=4, **pdl.launch_kw())
+    kernels()["inject"][(R, (H + B - 1) // B)](x, d, w, H, x.stride(0), sds, sd, w.stride(0), NS=n, NP=np_,
+                                               BLOCK=B, num_warps=4, **pdl.launch_kw())
     return x

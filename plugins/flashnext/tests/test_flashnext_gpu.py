@@ -148,6 +148,8 @@ def test_the_hyper_connection_pieces_equal_their_references(R, n, H, S):
     d = torch.randn(R, H, device="cuda", generator=g).bfloat16()
     w = torch.rand(R, n, device="cuda", generator=g).bfloat16()
     assert rel(tq.inject_add(x.clone(), d, w), tq.inject_add_ref(x, d, w)) < 1e-2
+    dp = torch.randn(S, R, H, device="cuda", generator=g)                        # a split matmul's partials
+    assert rel(tq.inject_add(x.clone(), dp, w), tq.inject_add_ref(x, dp, w)) < 1e-2
 
 
 # -- the runner ------------------------------------------------------------------------------------------------
