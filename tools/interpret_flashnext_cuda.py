@@ -97,6 +97,24 @@ def kernels() -> list[str]:
     check("inject_add", rel(tq.inject_add(xx.clone(), dd, ww), tq.inject_add_ref(xx, dd, ww)))
     dp = torch.randn(2, 5, 40)
     check("inject_add (split partials)", rel(tq.inject_add(xx.clone(), dp, ww), tq.inject_add_ref(xx, dp, ww)))
+    # the attended slots: a random tree of 24 nodes on 37 committed tokens, blocks of 4, 6 picks a row
+    from tandem_flashnext.cuda_runner import tree_tables
+
+    rng = random.Random(1)
+    parents = [-1] + [rng.randrange(-1, i) for i in range(1, 24)]
+    depth, anc_l = tree_tables(parents)
+    W, L, r, NB = 24, 37, 4, 20
+    anc = torch.zeros(W, W, dtype=torch.int32)
+    for i, a in enumerate(anc_l):
+        anc[i, :len(a)] = torch.tensor(a, dtype=torch.int32)
+    pos = torch.tensor([L + d for d in depth])
+    head = torch.tensor([L, W], dtype=torch.int32)
+    topv = torch.randint(-3, 100, (W, 6))
+    topi = torch.randint(0, NB + 7, (W, 6))
+    got, want = tq.slots(topv, topi, head, pos, anc, NB, r), tq.slots_ref(topv, topi, head, pos, anc, NB, r)
+    print(f"slots equal their reference: {torch.equal(got, want)}")
+    if not torch.equal(got, want):
+        bad.append("slots")
     return bad
 
 

@@ -137,18 +137,24 @@ def select_blocks(committed: torch.Tensor, frontier: torch.Tensor, nbc: torch.Te
     (pooled from the row's own path; ``-1``: not complete), ``nbc: [W]`` committed complete blocks. Returns
     ``(blocks [W, k], valid [W, k])``, ``k = min(top, NB + F)``: the best ``top`` complete blocks (a tie to the
     lower block), as the reference's ``topk`` of the scores of every complete block."""
+    vals, picked = top_keys(committed, frontier, top)                            # [W, k]
+    valid = vals >= 0
+    NB = committed.shape[1]
+    blocks = torch.where(picked < NB, picked, nbc[:, None] + (picked - NB))
+    return blocks, valid
+
+
+def top_keys(committed: torch.Tensor, frontier: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_blocks``' top-k: ``(keys [W, k] int64, columns [W, k])``, a key the score's bits above the
+    inverted column (distinct keys: a tie goes to the lower column; negative: not a complete block)."""
     scores = torch.cat([committed, frontier], dim=1) + 0.0                       # -0.0 -> +0.0
     cols = torch.arange(scores.shape[1], device=scores.device)
     if scores.shape[1] >= 1 << _TIE_BITS:
         raise ValueError(f"select_blocks: {scores.shape[1]} blocks exceed the top-k key's {1 << _TIE_BITS}")
     bits = scores.view(torch.int32).long()
     key = torch.where(scores >= 0, bits * (1 << _TIE_BITS) + ((1 << _TIE_BITS) - 1 - cols), -1 - cols)
-    k = min(int(top), scores.shape[1])
-    picked = key.topk(k, dim=1).indices                                          # [W, k]
-    valid = key.gather(1, picked) >= 0
-    NB = committed.shape[1]
-    blocks = torch.where(picked < NB, picked, nbc[:, None] + (picked - NB))
-    return blocks, valid
+    vals, picked = key.topk(min(int(top), scores.shape[1]), dim=1)
+    return vals, picked
 
 
 def unsupported(cfg: FlashNextConfig, weights: FlashNextWeights) -> str | None:
@@ -863,7 +869,7 @@ class FlashNextCudaRunner(FlashNextRunner):
         return {"nbc": nbc, "nf": nf, "fslots": slots(fpos.reshape(W, -1)).clamp(min=0),
                 "fstart": (nbc[:, None] + torch.arange(F, device=dev)[None, :]) * r,
                 "tslots": torch.where(tpos <= pos[:, None], slots(tpos), -1), "own": (pos + 1) % r == 0,
-                "L": L, "anc": anc}
+                "L": L, "anc": anc, "nbc32": nbc.to(torch.int32).contiguous(), "nf32": nf.to(torch.int32)}
 
     def _pool(self, raw: torch.Tensor, starts: torch.Tensor, w: AttentionWeights,
               head: torch.Tensor | None = None) -> torch.Tensor:
@@ -939,18 +945,19 @@ class FlashNextCudaRunner(FlashNextRunner):
         own = fk.gather(1, last[:, None, None].expand(W, 1, di))[:, 0]
         BK.index_copy_(0, m.at, torch.where(geo["own"][:, None], own, torch.zeros_like(own)))
         bk = BK[r - 1::r]                                                          # the committed blocks' keys
-        if self._triton:
+        if self._triton:                            # scores, top-k and the attended slots on the device
             div = math.sqrt(di)
-            sc = tq.head_scores(iq, bk, geo["nbc"].to(torch.int32).contiguous(), div, True)     # [W, NB]
-            sf = tq.head_scores(iq, fk, geo["nf"].to(torch.int32).contiguous(), div, True)      # [W, F]
-            blocks, valid = select_blocks(sc, sf, geo["nbc"], cfg.block_topk)      # [W, k]
+            sc = tq.head_scores(iq, bk, geo["nbc32"], div, True)                   # [W, NB]
+            sf = tq.head_scores(iq, fk, geo["nf32"], div, True)                    # [W, F]
+            vals, cols = top_keys(sc, sf, cfg.block_topk)                          # [W, k]
+            sel = tq.slots(vals, cols, m.head, m.pos, m.anc, int(bk.shape[0]), r)  # sel: [W, k*r + r]
         else:
             blocks, valid = self._select_host(iq, bk, fk, m)
-        tok = (blocks[:, :, None] * r + torch.arange(r, device=h.device)).reshape(W, -1)
-        L, anc = geo["L"], geo["anc"]
-        tslot = torch.where(tok < L, tok, L + anc.gather(1, (tok - L).clamp(0, W - 1)))
-        tslot = torch.where(valid[:, :, None].expand(-1, -1, r).reshape(W, -1), tslot, -1)
-        sel = torch.cat([tslot, geo["tslots"]], dim=1).to(torch.int32)             # sel: [W, k*r + r]
+            tok = (blocks[:, :, None] * r + torch.arange(r, device=h.device)).reshape(W, -1)
+            L, anc = geo["L"], geo["anc"]
+            tslot = torch.where(tok < L, tok, L + anc.gather(1, (tok - L).clamp(0, W - 1)))
+            tslot = torch.where(valid[:, :, None].expand(-1, -1, r).reshape(W, -1), tslot, -1)
+            sel = torch.cat([tslot, geo["tslots"]], dim=1).to(torch.int32)         # sel: [W, k*r + r]
         scale = D ** -0.5
         if self._triton:
             o = tq.gathered_attention(q, Kc, Vc, sel, scale, hkv, self._attn)

@@ -39,7 +39,7 @@ from tandem_core.ops import triton_pdl as pdl
 
 __all__ = ["SPLIT", "act", "act_ref", "gathered_attention", "gathered_attention_ref", "group_norm1p",
            "group_norm1p_ref", "head_scores", "head_scores_ref", "hyper_combine", "hyper_combine_ref", "inject_add",
-           "inject_add_ref", "kernels"]
+           "inject_add_ref", "kernels", "slots", "slots_ref"]
 
 SPLIT = 8          # programs a (row, KV head) of the gathered attention
 BN = 32            # slots a step of a program
@@ -220,8 +220,35 @@ def _build() -> dict[str, Any]:
         tl.store(out_ptr + r * stride_o + (h * G + offs_g)[:, None] * D + offs_d[None, :], o.to(tl.bfloat16),
                  mask=ok)
 
+    @triton.jit
+    def slots_kernel(topv_ptr, topi_ptr, head_ptr, pos_ptr, anc_ptr, out_ptr, KSEL, NB, W, stride_t, stride_a,
+                     stride_o, R: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        # one (row i, BJ selections): each selected block's R tokens, then (j == KSEL) the row's tail, as cache
+        # slots (committed positions as they are, the row's path nodes at L + node; -1: not attended)
+        i = tl.program_id(0)
+        j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+        t = tl.arange(0, RP)
+        L = tl.load(head_ptr).to(tl.int64)
+        p = tl.load(pos_ptr + i)
+        nbc = L // R
+        nb = (p + 1) // R
+        sel = j < KSEL
+        col = tl.load(topi_ptr + i * stride_t + j, mask=sel, other=0)
+        val = tl.load(topv_ptr + i * stride_t + j, mask=sel, other=-1)
+        block = tl.where(col < NB, col, nbc + col - NB)
+        block = tl.where(sel, block, nb)                                      # j == KSEL: the tail
+        tok = block[:, None] * R + t[None, :]                                 # [BJ, RP]
+        keep = tl.where(sel[:, None], val[:, None] >= 0, tok <= p) & (t[None, :] < R)
+        d = tl.minimum(tl.maximum(tok - L, 0), W - 1)
+        a = tl.load(anc_ptr + i * stride_a + d, mask=keep & (tok >= L), other=0).to(tl.int64)
+        slot = tl.where(tok < L, tok, L + a)
+        out = tl.where(keep, slot, -1).to(tl.int32)
+        ok = (j[:, None] <= KSEL) & (t[None, :] < R)
+        tl.store(out_ptr + i * stride_o + j[:, None] * R + t[None, :], out, mask=ok)
+
     return {"group_norm": group_norm_kernel, "scores": scores_kernel, "gathered": gathered_kernel,
-            "merge": merge_kernel,
+            "merge": merge_kernel, "slots": slots_kernel,
             "act": act_kernel, "combine": combine_kernel, "inject": inject_kernel}
 
 
@@ -438,3 +465,38 @@ def inject_add(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> torch.Tenso
     kernels()["inject"][(R, (H + B - 1) // B)](x, d, w, H, x.stride(0), sds, sd, w.stride(0), NS=n, NP=np_,
                                                BLOCK=B, num_warps=4, **pdl.launch_kw())
     return x
+
+
+# -- the attended slots ------------------------------------------------------------------------------------------
+def slots_ref(topv: torch.Tensor, topi: torch.Tensor, head: torch.Tensor, pos: torch.Tensor, anc: torch.Tensor,
+              NB: int, r: int) -> torch.Tensor:
+    """The cache slots each row attends to: ``topv, topi: [W, k]`` the top-k keys (``>= 0``: a complete block)
+    and columns (below ``NB`` a committed block, else frontier block ``nbc + col - NB``), then the row's tail
+    (positions ``nb * r .. p``); a position below ``L = head[0]`` is its own slot, a later one the row's path node
+    at that depth, ``L + anc[i, depth]``. ``[W, k*r + r]`` int32, ``-1`` where nothing is attended."""
+    W, k = topi.shape
+    L = head[0:1].long()
+    p = pos.long()
+    nbc = L // r
+    nb = (p + 1) // r
+    block = torch.where(topi < NB, topi, nbc + topi - NB)                        # [W, k]
+    block = torch.cat([block, nb[:, None]], dim=1)                               # the tail last
+    tok = (block[:, :, None] * r + torch.arange(r, device=pos.device)).reshape(W, -1)
+    keep = torch.cat([(topv >= 0)[:, :, None].expand(W, k, r).reshape(W, -1),
+                      tok[:, k * r:] <= p[:, None]], dim=1)
+    d = (tok - L).clamp(0, W - 1)
+    slot = torch.where(tok < L, tok, L + anc.long().gather(1, d))
+    return torch.where(keep, slot, torch.full_like(slot, -1)).to(torch.int32)
+
+
+def slots(topv: torch.Tensor, topi: torch.Tensor, head: torch.Tensor, pos: torch.Tensor, anc: torch.Tensor,
+          NB: int, r: int) -> torch.Tensor:
+    """``slots_ref`` on CUDA: one launch (``topv``/``topi`` int64 ``[W, k]`` contiguous, ``head`` int32, ``pos``
+    int64 ``[W]``, ``anc`` int32 ``[W, W]``)."""
+    W, k = topi.shape
+    out = torch.empty(W, k * r + r, dtype=torch.int32, device=topi.device)
+    BJ = 64
+    kernels()["slots"][(W, (k + 1 + BJ - 1) // BJ)](topv, topi, head, pos, anc, out, k, NB, W, topi.stride(0),
+                                                     anc.stride(0), out.stride(0), R=r, RP=_p2(r), BJ=BJ,
+                                                     num_warps=4, **pdl.launch_kw())
+    return out

@@ -204,3 +204,22 @@ def test_the_vectorised_prefill_equals_the_reference_prefill(flashnext_ckpts, bu
         assert float(err.max()) < 1e-4
     else:
         assert float((err < 1e-4).float().mean()) >= 0.8, err
+
+
+def test_the_attended_slots_of_a_tree():
+    """``triton_qsa.slots_ref`` (the device form's slots, its kernel's reference): selected blocks then the tail,
+    a committed position its own slot, a later one the row's path node at that depth."""
+    from tandem_flashnext.triton_qsa import slots_ref
+
+    L, r, NB = 10, 4, 2                           # committed blocks 0, 1 (positions 0..7); 8, 9 committed
+    anc = torch.tensor([[0, 0, 0], [0, 1, 0], [0, 2, 0]], dtype=torch.int32)   # node 1 on 0; node 2 a sibling
+    pos = torch.tensor([10, 11, 11])
+    head = torch.tensor([L, 3], dtype=torch.int32)
+    # node 0 picks block 1; node 1 block 0 and its frontier block 2 (8, 9, then its path: 10, 11); node 2 (node
+    # 1's sibling, also at 11) its own frontier block 2: 8, 9, node 0, itself
+    topv = torch.tensor([[5, -1], [7, 6], [6, -1]])
+    topi = torch.tensor([[1, 0], [0, NB + 0], [NB + 0, 0]])
+    got = slots_ref(topv, topi, head, pos, anc, NB, r).tolist()
+    assert got[0] == [4, 5, 6, 7, -1, -1, -1, -1] + [8, 9, 10, -1]           # tail 8..10: 10 is node 0 (L + 0)
+    assert got[1] == [0, 1, 2, 3, 8, 9, 10, 11] + [-1, -1, -1, -1]           # block 2 complete: no tail
+    assert got[2] == [8, 9, 10, 12] + [-1] * 8                               # 11 is node 2 itself (L + 2)

@@ -152,6 +152,26 @@ def test_the_hyper_connection_pieces_equal_their_references(R, n, H, S):
     assert rel(tq.inject_add(x.clone(), dp, w), tq.inject_add_ref(x, dp, w)) < 1e-2
 
 
+@pytest.mark.parametrize("W,L,k", [(24, 37, 6), (1, 4096, 512), (64, 4000, 512)], ids=["tree", "decode", "wide"])
+def test_the_attended_slots_equal_their_reference(W, L, k):
+    from tandem_flashnext import triton_qsa as tq
+    from tandem_flashnext.cuda_runner import tree_tables
+
+    rng = random.Random(W + L)
+    parents = [-1] + [rng.randrange(-1, i) for i in range(1, W)]
+    depth, anc_l = tree_tables(parents)
+    anc = torch.zeros(W, W, dtype=torch.int32)
+    for i, a in enumerate(anc_l):
+        anc[i, :len(a)] = torch.tensor(a, dtype=torch.int32)
+    r, NB = 4, (L + 64) // 4
+    g = torch.Generator().manual_seed(W)
+    topv = torch.randint(-3, 100, (W, k), generator=g)
+    topi = torch.randint(0, NB + (W + 3) // 4, (W, k), generator=g)
+    args = [t.cuda() for t in (topv, topi, torch.tensor([L, W], dtype=torch.int32),
+                               torch.tensor([L + d for d in depth]), anc)]
+    assert torch.equal(tq.slots(*args, NB, r), tq.slots_ref(*args, NB, r))
+
+
 # -- the runner ------------------------------------------------------------------------------------------------
 class TestFlashNextCudaGraphRunner(RunnerContract):
     @pytest.fixture(scope="class")
