@@ -385,7 +385,8 @@ class FlashNextCudaRunner(FlashNextRunner):
 
     def __init__(self, cfg: FlashNextConfig, weights: FlashNextWeights, *, max_context: int, max_tree: int = 64,
                  prefill_chunk: int = 512, gdn_chunk: int = 64, last_streams: bool = False,
-                 graphs: bool = True, vector_prefill: bool | None = None) -> None:
+                 graphs: bool = True, vector_prefill: bool | None = None,
+                 device_select: bool | None = None) -> None:
         widths = runner_widths(int(max_tree))
         why = unsupported(cfg, weights)
         if why is None:
@@ -399,6 +400,9 @@ class FlashNextCudaRunner(FlashNextRunner):
         self._triton = why is None
         # the indexed attention's prefill with every row's selection at once (default: on CUDA)
         self._vector_prefill = self._triton if vector_prefill is None else bool(vector_prefill)
+        # the step's block selection in the device form (top-k keys carrying the block, the slots by path) also
+        # in the torch form (default: on CUDA only; the torch form otherwise selects node by node as the reference)
+        self._device_select = self._triton if device_select is None else bool(device_select)
         if graphs and self.device.type == "cuda" and why is not None:
             raise ValueError(f"FlashNextCudaRunner: cannot capture graphs: {why}")
         self.use_graphs = bool(graphs) and self._triton
@@ -945,12 +949,14 @@ class FlashNextCudaRunner(FlashNextRunner):
         own = fk.gather(1, last[:, None, None].expand(W, 1, di))[:, 0]
         BK.index_copy_(0, m.at, torch.where(geo["own"][:, None], own, torch.zeros_like(own)))
         bk = BK[r - 1::r]                                                          # the committed blocks' keys
-        if self._triton:                            # scores, top-k and the attended slots on the device
+        if self._device_select:                     # scores, top-k and the attended slots on the device
             div = math.sqrt(di)
-            sc = tq.head_scores(iq, bk, geo["nbc32"], div, True)                   # [W, NB]
-            sf = tq.head_scores(iq, fk, geo["nf32"], div, True)                    # [W, F]
+            scores = tq.head_scores if self._triton else tq.head_scores_ref
+            sc = scores(iq, bk, geo["nbc32"], div, True)                           # [W, NB]
+            sf = scores(iq, fk, geo["nf32"], div, True)                            # [W, F]
             vals, cols = top_keys(sc, sf, cfg.block_topk)                          # [W, k]
-            sel = tq.slots(vals, cols, m.head, m.pos, m.anc, int(bk.shape[0]), r)  # sel: [W, k*r + r]
+            slots = tq.slots if self._triton else tq.slots_ref
+            sel = slots(vals, cols, m.head, m.pos, m.anc, int(bk.shape[0]), r)     # sel: [W, k*r + r]
         else:
             blocks, valid = self._select_host(iq, bk, fk, m)
             tok = (blocks[:, :, None] * r + torch.arange(r, device=h.device)).reshape(W, -1)

@@ -2,8 +2,10 @@
 buffers: the PLE rows gathered on the host into the step's buffer, the QSA selection on the device's tensors, the
 committed blocks' keys in the view ``BK``) in the torch form of every kernel (``graphs=False``). It passes the runner
 conformance suite on the tiny re-randomised ``qwen4_exp`` checkpoint (PLE on two layers, two QSA layers whose budget
-is below the contexts), its logits track the reference runner, a random bf16 tree is its decode rows, the block
-selection equals the reference's, and ``unsupported`` and serving's choice name their reasons. The kernels' own
+is below the contexts) with the CUDA path's own block selection, its logits track the reference runner (the
+reference's selection, node by node), a random bf16 tree is its decode rows in both selections, the block selection
+and the attended slots equal the reference's, the vectorised prefill the reference prefill, and ``unsupported`` and
+serving's choice name their reasons. The kernels' own
 path runs on the device (``test_flashnext_gpu.py``)."""
 
 from __future__ import annotations
@@ -28,23 +30,26 @@ def weights_of(path, dtype: str = "fp32"):
     return base.cfg, base.w
 
 
-def static_case(path, dtype: str = "fp32") -> RunnerCase:
+def static_case(path, dtype: str = "fp32", device_select: bool | None = None) -> RunnerCase:
     from tandem_flashnext.cuda_runner import FlashNextCudaRunner
 
     cfg, weights = weights_of(path, dtype)
 
     def build(max_context: int = 256, max_tree: int = 64):
         return SequenceEngine(FlashNextCudaRunner(cfg, weights, max_context=max_context, max_tree=max_tree,
-                                                  prefill_chunk=512, graphs=False), name="qwen4_exp")
+                                                  prefill_chunk=512, graphs=False, device_select=device_select),
+                              name="qwen4_exp")
 
     return RunnerCase(build=build, vocab=VOCAB, prompt=lambda n, seed: prompt(n, VOCAB, seed=seed).tolist())
 
 
 class TestFlashNextCudaRunner(RunnerContract):
+    """The suite on the CUDA path's own selection (``device_select``: the top-k keys, the slots by path)."""
+
     @pytest.fixture(scope="class")
     @classmethod
     def case(cls, flashnext_ckpts):
-        return static_case(flashnext_ckpts.text.path)
+        return static_case(flashnext_ckpts.text.path, device_select=True)
 
     def test_the_step_runs_static_on_the_cpu(self, eng):
         r = eng.runner
@@ -223,3 +228,41 @@ def test_the_attended_slots_of_a_tree():
     assert got[0] == [4, 5, 6, 7, -1, -1, -1, -1] + [8, 9, 10, -1]           # tail 8..10: 10 is node 0 (L + 0)
     assert got[1] == [0, 1, 2, 3, 8, 9, 10, 11] + [-1, -1, -1, -1]           # block 2 complete: no tail
     assert got[2] == [8, 9, 10, 12] + [-1] * 8                               # 11 is node 2 itself (L + 2)
+
+
+def test_the_device_selection_keeps_tree_rows_equal_to_decode_rows(flashnext_ckpts):
+    """The CUDA path's selection (``top_keys``: ties to the lower block; ``slots_ref``: the slots by path) in the
+    torch form, bf16: a random tree's rows are its decode rows bit for bit and its commit the decode state; with a
+    budget selecting every block its logits track the reference runner's."""
+    import dataclasses
+
+    from tandem_flashnext.cuda_runner import FlashNextCudaRunner
+    from tandem_flashnext.serving import build_engine
+
+    cfg, weights = weights_of(flashnext_ckpts.text.path, "bf16")
+
+    def build(c=cfg):
+        return SequenceEngine(FlashNextCudaRunner(c, weights, max_context=128, graphs=False, device_select=True),
+                              name="qwen4_exp")
+
+    eng, twin = build(), build()
+    twin.forward(prompt(29, seed=4))
+    base = twin.state.clone()
+    tokens, parents = random_tree(random.Random(5), 24, VOCAB)
+    want, _, states = plain_rows_of_tree(twin, base, tokens, parents)
+    eng.state.restore(base)
+    out = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
+    assert all(torch.equal(out.logits[i], want[i]) for i in range(24))
+    leaf = max(range(24), key=lambda i: len(path_to(parents, i)))
+    eng.commit_tree(path_to(parents, leaf))
+    assert_same_state(eng.state, states[leaf])
+    cfg32, w32 = weights_of(flashnext_ckpts.text.path)
+    every = dataclasses.replace(cfg32, indexer_budget=1024)
+    ref = build_engine(every, w32, 128, 512)
+    mine = SequenceEngine(FlashNextCudaRunner(every, w32, max_context=128, graphs=False, device_select=True),
+                          name="qwen4_exp")
+    ids = prompt(30, seed=6)
+    ref.forward(ids[:21]), mine.forward(ids[:21])
+    for t in ids[21:].tolist():
+        a, b = ref.forward(torch.tensor([t])), mine.forward(torch.tensor([t]))
+        assert torch.allclose(a, b, atol=1e-5 * float(a.abs().max()), rtol=0)
