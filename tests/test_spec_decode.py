@@ -118,3 +118,109 @@ def test_steep_prices_mean_plain_rounds():
         assert (spec.cut.explored > 0) == (every > 0)
         # a round with nothing to verify is a decode step (engine.forward), not a one-node verify
         assert trees == [2] * spec.cut.explored and e1.runner.forward_calls >= dec.stats.rounds - len(trees)
+
+
+# -- the cost rule of the costly drafters' gate --------------------------------------------------------------
+
+def test_the_gate_pauses_a_drafter_that_costs_more_than_it_saves_and_backs_off():
+    from tandem_core.spec.speculate import DrafterGate
+
+    g = DrafterGate(warm=3)
+    asked = []
+    for _ in range(40):
+        if g.ask():
+            asked.append(True)
+            g.paid(10.0)
+            g.value(2.0)                 # it saves 2 ms a round and costs 10
+        else:
+            asked.append(False)
+    # warm rounds, then pauses of 1, 2, 4, 8, 16 rounds, each followed by warm fresh rounds
+    assert [i for i, a in enumerate(asked) if a] == [0, 1, 2, 4, 5, 6, 9, 10, 11, 16, 17, 18, 27, 28, 29]
+    assert g.cost_pauses == 5
+    # once its proposals pay, the cost rule's level resets and it is asked every round
+    asked = []
+    for _ in range(200):
+        asked.append(g.ask())
+        if asked[-1]:
+            g.paid(1.0)
+            g.value(5.0)
+    assert g.cost_level == 0 and all(asked[-100:])
+
+
+def test_a_paying_drafter_is_never_paused_by_the_cost_rule():
+    from tandem_core.spec.speculate import DrafterGate
+
+    g = DrafterGate(warm=2)
+    for _ in range(50):
+        assert g.ask()
+        g.paid(3.0)
+        g.value(3.5)
+    assert g.cost_pauses == 0 and g.skipped == 0
+
+
+def test_needed_tokens_counts_the_path_from_the_first_node_only_this_drafter_proposed():
+    from tandem_core.spec.speculate import needed_tokens
+    from tandem_core.spec.tree import TokenTree
+    from tandem_core.drafter import Proposal
+
+    a = Proposal.chain([1, 2, 3], [0.9, 0.9, 0.9], "a")
+    b = Proposal.chain([1, 2, 7, 8], [0.9, 0.9, 0.9, 0.9], "b")
+    tree = TokenTree.merge([a, b])
+    # nodes: 0:1 (a,b) 1:2 (a,b) 2:3 (a) 3:7 (b) 4:8 (b)
+    assert needed_tokens(tree, [0, 1, 3, 4], "b", ["a", "b"]) == 2      # 7, 8 needed b
+    assert needed_tokens(tree, [0, 1, 3, 4], "a", ["a", "b"]) == 0      # b alone had that path
+    assert needed_tokens(tree, [0, 1, 2], "a", ["a", "b"]) == 1
+    assert needed_tokens(tree, [0, 1, 2], "a", ["a"]) == 3              # alone: every token needed it
+    assert needed_tokens(tree, [], "a", ["a", "b"]) == 0
+
+
+class CostlyLookup:
+    """The lookup drafter under another name, ``costly`` and slowed by ``delay_s`` a proposal (a block drafter's
+    forward, as far as the loop can tell)."""
+
+    costly = True
+
+    def __init__(self, inner, delay_s: float, name: str = "slow") -> None:
+        self.inner, self.delay_s, self.name = inner, delay_s, name
+        self.proposals = 0
+
+    def requires(self):
+        return self.inner.requires()
+
+    def begin(self, prompt_ids):
+        self.inner.begin(prompt_ids)
+
+    def propose(self, context_ids, max_nodes):
+        import dataclasses
+        import time
+
+        self.proposals += 1
+        time.sleep(self.delay_s)
+        return dataclasses.replace(self.inner.propose(context_ids, max_nodes), source=self.name)
+
+    def accepted(self, tokens):
+        self.inner.accepted(tokens)
+
+
+@pytest.mark.parametrize("delay_s, paused", [(0.080, True), (0.0, False)], ids=["costs-more", "pays"])
+def test_the_loop_stops_asking_a_costly_drafter_that_does_not_pay(delay_s, paused):
+    spec_engine, plain_engine = toy_tree_engine(), toy_tree_engine()
+    target = TargetInfo.of(spec_engine.caps, tokenizer=None, vocab_size=spec_engine.runner.vocab)
+    slow = CostlyLookup(build_drafter("lookup", target), delay_s)
+    # a verify costs 1 ms a round whatever its width: an accepted token saves 1 ms, the slow proposal costs 80
+    # (more than the up to 32 tokens a round it can save)
+    spec = Speculation([slow], StairCut(flat_prices(), max_tree=32), 32)
+    params = SamplingParams(temperature=0.0)
+    prompt = [7, 1, 7, 1, 7, 1, 7]
+    want, _ = run(Decode, plain_engine, prompt, params, max_tokens=400)
+    got, dec = run(SpecDecode, spec_engine, prompt, params, max_tokens=400, speculation=spec)
+    assert got == want                    # pausing a drafter never changes the answer
+    gate = dec._gates["slow"]
+    if paused:
+        # paused for 1, 2, 4, ... rounds: most rounds end up plain ones
+        assert gate.cost_pauses >= 5 and gate.skipped > 2 * slow.proposals, (gate, slow.proposals)
+    else:
+        # at most the first rounds' short pauses (a 7-token prompt gives the lookup nothing to copy yet); once it
+        # pays it is asked every round
+        assert gate.cost_level == 0 and gate.skipped <= 3 and slow.proposals == dec.stats.rounds - gate.skipped, \
+            (gate, slow.proposals, dec.stats)

@@ -37,7 +37,7 @@ from tandem_core.spec.sampler import Pick
 from tandem_core.spec.tree import TokenTree
 from tandem_core.spec.walk import WalkResult, walk_lazy
 
-__all__ = ["DrafterGate", "SpecDecode", "SpecStats", "Speculation"]
+__all__ = ["DrafterGate", "needed_tokens", "SpecDecode", "SpecStats", "Speculation"]
 
 
 @dataclass
@@ -69,18 +69,34 @@ class SpecStats:
 @dataclass
 class DrafterGate:
     """Whether a costly drafter (one with ``costly = True``: its proposal is a forward of its own, the block
-    drafter's) proposes this round, for one request. A drafter whose verified nodes all missed in ``patience`` verifies in
-    a row (rounds where the cut kept none of its nodes do not count) is skipped for ``2 ** level`` rounds (``level`` grows with each such run, up to ``max_level``), then
-    asked again; one accepted node resets it. A drafter that guesses nothing right on this text (the block
-    drafter on a language it was not trained on, the lookup drafter on novel prose) then stops costing its
-    proposal every round; skipping never changes what is emitted, only what is drafted."""
+    drafter's) proposes this round, for one request. Two rules pause it, each for ``2 ** level`` rounds of its
+    own (the level grows with each pause, up to ``max_level``), after which it is asked again:
+
+    - misses: its verified nodes all missed in ``patience`` verifies in a row (rounds where the cut kept none of
+      its nodes do not count); one accepted node resets this rule's level;
+    - cost: over its rounds since its last pause (an average with weight ``alpha`` on the newest, from the
+      ``warm``-th round on), the time its proposals saved is below the time they cost. A round saves ``gain`` ms: the accepted tokens that
+      needed its nodes (the path from the first accepted node no other drafter proposed) times a decode step's
+      price; it costs the proposal's own wall time. A drafter that hits now and then but not enough to pay for
+      its forward (the block drafter on chat) is paused by this rule, which the misses rule never does.
+
+    A drafter that guesses nothing right on this text (the block drafter on a language it was not trained on,
+    the lookup drafter on novel prose) then stops costing its proposal every round; skipping never changes what
+    is emitted, only what is drafted."""
 
     patience: int = 8
     max_level: int = 6
+    warm: int = 4
+    alpha: float = 0.25
     misses: int = 0
     level: int = 0
     skip: int = 0
     skipped: int = 0
+    cost_ms: float = 0.0        # average wall ms of one proposal
+    gain_ms: float = 0.0        # average ms a round's proposal saved
+    valued: int = 0             # rounds valued since the cost rule's last pause
+    cost_level: int = 0
+    cost_pauses: int = 0
 
     def ask(self) -> bool:
         if self.skip > 0:
@@ -89,15 +105,47 @@ class DrafterGate:
             return False
         return True
 
+    def _pause(self, level: int) -> None:
+        self.skip = max(self.skip, 2 ** level)
+
     def observe(self, accepted: bool) -> None:
         if accepted:
             self.misses = self.level = 0
             return
         self.misses += 1
         if self.misses >= self.patience:
-            self.skip = 2 ** self.level
+            self._pause(self.level)
             self.level = min(self.level + 1, self.max_level)
             self.misses = self.patience - 1      # after the pause one more miss pauses it again, longer
+
+    def paid(self, ms: float) -> None:
+        """One proposal took ``ms`` of wall time."""
+        self.cost_ms = ms if self.valued == 0 else (1 - self.alpha) * self.cost_ms + self.alpha * ms
+
+    def value(self, gain_ms: float) -> None:
+        """The round's proposal saved ``gain_ms`` (0 when the cut kept none of its nodes). Call after ``paid``."""
+        self.gain_ms = gain_ms if self.valued == 0 else (1 - self.alpha) * self.gain_ms + self.alpha * gain_ms
+        self.valued += 1
+        if self.valued < self.warm:
+            return
+        if self.gain_ms < self.cost_ms:
+            self._pause(self.cost_level)
+            self.cost_level = min(self.cost_level + 1, self.max_level)
+            self.cost_pauses += 1
+            self.valued = 0          # the text may have changed meanwhile: after the pause, ``warm`` fresh rounds
+        else:
+            self.cost_level = 0
+
+
+def needed_tokens(tree: TokenTree, path_nodes: Sequence[int], name: str, proposers: Sequence[str]) -> int:
+    """How many of the accepted path's tokens needed drafter ``name``'s nodes: the path from its first node that
+    none of the round's other ``proposers`` proposed (0 when the others proposed the whole path)."""
+    others = set(proposers) - {name}
+    for j, k in enumerate(path_nodes):
+        srcs = tree.sources[k]
+        if name in srcs and not others.intersection(srcs):
+            return len(path_nodes) - j
+    return 0
 
 
 @dataclass
@@ -122,6 +170,7 @@ class SpecDecode(Decode):
         self._begun = False
         self._indexing: threading.Thread | None = None
         self._proposed: list[str] = []     # the drafters that proposed this round (their gates hear the outcome)
+        self._asked: list[str] = []        # the costly drafters asked this round (their gates price the round)
         self._gates: dict[str, DrafterGate] = {}   # a costly drafter's gate, for this request (new text, new chance)
         # drafters that read the target's hidden rows: the engine taps their layers, and every forward of the
         # sequence hands them its rows (the prefill's, each decode step's, each verify's accepted path)
@@ -211,9 +260,15 @@ class SpecDecode(Decode):
             return TokenTree.empty()
         proposals = []
         self._proposed = []
+        self._asked = []                   # the costly drafters asked this round (each paid for its proposal)
         for d in self.spec.drafters:
-            if not getattr(d, "costly", False) or self._gates.setdefault(d.name, DrafterGate()).ask():
+            costly = getattr(d, "costly", False)
+            if not costly or self._gates.setdefault(d.name, DrafterGate()).ask():
+                t0 = time.perf_counter()
                 p = d.propose(context, budget)
+                if costly:
+                    self._gates[d.name].paid((time.perf_counter() - t0) * 1e3)
+                    self._asked.append(d.name)
                 if len(p):
                     proposals.append(p)
                     self._proposed.append(d.name)
@@ -238,6 +293,9 @@ class SpecDecode(Decode):
         self.commit(self.sample(logits))
         for d in self.spec.drafters:
             d.accepted([pending])
+        for name in self._asked:             # a costly drafter asked this round: its proposal saved nothing
+            self._gates[name].value(0.0)
+        self._asked = []
         self._proposed = []                  # nothing verified: no drafter was tried (the cut's exploration retries)
         self.stats.rounds += 1
         self.stats.tokens += len(self.generated) - before
@@ -300,6 +358,11 @@ class SpecDecode(Decode):
         for name in self._proposed:          # a drafter whose verified nodes all missed; one the cut left out is not tried
             if name in tried and name in self._gates:
                 self._gates[name].observe(name in hit)
+        if self._asked:                      # what each costly drafter's proposal saved: its tokens at a step's price
+            step_ms = float(self.spec.cut.curve(start, 1)[0])
+            for name in self._asked:
+                self._gates[name].value(needed_tokens(tree, result.path_nodes, name, self._proposed) * step_ms)
+        self._asked = []
         self._proposed = []
         self.stats.rounds += 1
         self.stats.drafted += len(tree)
