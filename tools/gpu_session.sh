@@ -12,6 +12,9 @@
 #            decode at the 24B-A2B widths), then the lfm25 part (profile it apart: PROFILE_TARGETS=lfm24,lfm8)
 #   mtp      the graphed MTP head's GPU tests (test_qwen38_mtp_gpu.py), then tools/bench_mtp.py at the 27B shape,
 #            graphs against eager, depths 1..4, within MTP_BUDGET seconds (default 150); $OUT/mtp.md, mtp.log
+#   flashnext  the Flash-Next GPU tests (test_flashnext_gpu.py: its kernels, FlashNextCudaRunner with graphs), then
+#            tools/bench_flashnext_gpu.py at the published shape (experts cut to 224 of 512) against transformers
+#            (budget FLASHNEXT_BUDGET, default 300 s); $OUT/flashnext.md, flashnext.json
 #   profile  tools/profile_gpu.py: the decode and verify steps kernel by kernel (PROFILE_TARGETS, default
 #            lfm24,lfm8,qwen27); $OUT/profile.md, profile.json
 #
@@ -29,7 +32,7 @@ setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "wheel install failed"; exit 3; }
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site \
-        . plugins/llama plugins/qwen38_27b plugins/drafters plugins/lfm25 2>&1 | tail -3
+        . plugins/llama plugins/qwen38_27b plugins/drafters plugins/lfm25 plugins/flashnext 2>&1 | tail -3
     python3 -c "import torch, triton, transformers, fastapi, tandem_core, tandem_qwen38; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
     tandem plugins | head -12
     nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
@@ -79,6 +82,15 @@ lfmfuse() {
         | tee "$OUT/lfmfuse-tests.log" | tail -30
     LFM25_TESTS="tests/test_gpu_moe.py plugins/lfm25/tests/test_lfm25_gpu.py $(printf -- '--deselect=%s ' "${new[@]}")" \
         lfm25
+}
+
+flashnext() {
+    timeout ${FLASHNEXT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
+        ${FLASHNEXT_TESTS:-plugins/flashnext/tests/test_flashnext_gpu.py} 2>&1 \
+        | tee "$OUT/flashnext-tests.log" | tail -40
+    timeout $(( ${FLASHNEXT_BUDGET:-300} + 90 )) python3 tools/bench_flashnext_gpu.py --out "$OUT/flashnext" \
+        --budget ${FLASHNEXT_BUDGET:-300} ${FLASHNEXT_ARGS:-} 2>&1 | tee "$OUT/flashnext-bench.log" | tail -40
+    cp "$OUT/flashnext/flashnext.md" "$OUT/flashnext/flashnext.json" "$OUT/" 2>/dev/null
 }
 
 mtp() {

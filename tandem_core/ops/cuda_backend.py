@@ -62,7 +62,9 @@ def gdn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * (1 + w)`` in fp32, returned in ``x``'s dtype (``tandem_core.ops.norm.rms_norm_1p``)."""
     H = x.shape[-1] if x.dim() else 0
-    if x.is_cuda and x.dtype == torch.bfloat16 and 0 < H <= 65536 and x.numel():
+    # one weight row for every row only: a weight of several groups ([n, H], Flash-Next's stream norms) broadcast
+    # over x goes to the reference (the kernel would read the first group's for all)
+    if x.is_cuda and x.dtype == torch.bfloat16 and 0 < H <= 65536 and x.numel() and weight.numel() == H:
         from tandem_core.ops import triton_fused
 
         rows = x.reshape(-1, H)

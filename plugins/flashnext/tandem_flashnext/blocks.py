@@ -64,11 +64,13 @@ def hyper_inject(x: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> to
 
 def decoder_block(op: Ops, mm: MatMul, x: torch.Tensor, layer: LayerWeights, cfg: FlashNextConfig,
                   mixer: Callable[[torch.Tensor], torch.Tensor], capture: list | None = None,
-                  name: str = "") -> torch.Tensor:
+                  name: str = "",
+                  experts: Callable[[torch.Tensor, MoEWeights], torch.Tensor] | None = None) -> torch.Tensor:
     """One decoder layer on the streams ``x: [T, n*H]`` (after its PLE, if any): the attention
     hyper-connection around ``mixer`` (``[T, H] -> [T, H]``: the layer's Gated DeltaNet or attention), then
     the MLP hyper-connection around the MoE. ``capture`` gets each block's output ``[T, H]`` (``name``
-    mixer / mlp): a row that differs there differs in that block."""
+    mixer / mlp): a row that differs there differs in that block. ``experts(h, w)``: the MoE's form (default
+    ``moe``; a CUDA runner's prefill hands its grouped kernel)."""
     h, inject = hyper_mix(op, mm, x, layer.attn_hc, cfg)                       # h: [T, H]
     assert inject is not None
     out = mixer(h)
@@ -77,7 +79,7 @@ def decoder_block(op: Ops, mm: MatMul, x: torch.Tensor, layer: LayerWeights, cfg
     x = hyper_inject(x, out, inject)
     h, inject = hyper_mix(op, mm, x, layer.mlp_hc, cfg)
     assert inject is not None
-    out = moe(op, mm, h, layer.moe, cfg.num_experts_per_tok)
+    out = moe(op, mm, h, layer.moe, cfg.num_experts_per_tok) if experts is None else experts(h, layer.moe)
     if capture is not None:
         capture.append((f"{name} mlp", out.clone()))
     return hyper_inject(x, out, inject)

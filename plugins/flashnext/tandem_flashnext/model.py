@@ -262,7 +262,7 @@ class FlashNextRunner:
                 if rec is not None:
                     rec.rows.ple_in[m] = conv_in
             mix = partial(self._mixer, layer.mixer, slot, step, rec, mm, cos, sin)
-            x = decoder_block(op, mm, x, layer, cfg, mix, capture, f"layer {i}")
+            x = decoder_block(op, mm, x, layer, cfg, mix, capture, f"layer {i}", self._experts(step))
             if i in self._taps:
                 taps[i] = x
         if rec is not None:                                                            # a verify: kept
@@ -276,6 +276,10 @@ class FlashNextRunner:
         if capture is not None:
             capture.append(("final norm", out.clone()))
         return out, taps
+
+    def _experts(self, step: Step | TreeStep) -> Callable[[torch.Tensor, Any], torch.Tensor] | None:
+        """The MoE form of a call (None: ``blocks.moe``, each selected expert over its rows)."""
+        return None
 
     def _mixer(self, mixer: GDNWeights | AttentionWeights, slot: int, step: Step | TreeStep,
                rec: _Verified | None, mm: Callable[[Any, torch.Tensor], torch.Tensor], cos: torch.Tensor,

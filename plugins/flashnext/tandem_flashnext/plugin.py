@@ -18,8 +18,8 @@ ARCH = Arch(
     config="tandem_flashnext.config:read_config",
     package="tandem-flashnext",
     serve="tandem_flashnext.serving:serve",
-    # the plain-torch reference runner; no CUDA runner yet (its kernels and graphs are the next step)
-    runs=(("cpu", ("fp32", "bf16")),),
+    # the plain-torch reference runner anywhere; on CUDA with bf16 weights and Triton, FlashNextCudaRunner
+    runs=(("cpu", ("fp32", "bf16")), ("cuda", ("bf16", "fp32"))),
 )
 
 SETTINGS_DECLARED = (
@@ -27,6 +27,10 @@ SETTINGS_DECLARED = (
             "tokens per prefill chunk of the qwen4_exp engine (a long prompt runs through every layer this "
             "many tokens at a time; the result equals one full forward within fp32 rounding)",
             int, arithmetic=True),
+    Setting("FLASHNEXT_CUDA_RUNNER", True, "tandem_flashnext.serving",
+            "on CUDA with bf16 weights and Triton, serve qwen4_exp with FlashNextCudaRunner (decode and verify as "
+            "CUDA graphs, the Triton kernels, the PLE rows gathered on the host); off: the reference runner there too",
+            bool, arithmetic=True),
 )
 
 

@@ -8,7 +8,12 @@ template). The model writes a ``<think>`` block (``reasoning``) and tool calls i
 (``tool_format="qwen_xml"``, the format the Qwen plugin registers; ``tandem-qwen38`` is a
 dependency). ``spawn`` builds another engine over the same weight objects with its
 own buffers. Options read: ``prefill_chunk`` (default the ``FLASHNEXT_PREFILL_CHUNK`` setting) and
-``max_tree`` (the widest verify, default 64).
+``max_tree`` (the widest verify, default 64) and ``graphs`` (default on; off: the CUDA runner without CUDA
+graphs).
+
+The runner (``make_runner``): on a CUDA device with bf16 weights and Triton, ``FlashNextCudaRunner`` (decode and
+verify captured as CUDA graphs over static buffers, the Triton kernels; ``cuda_runner.unsupported`` says why not
+otherwise, and the ``FLASHNEXT_CUDA_RUNNER`` setting turns it off), else the reference ``FlashNextRunner``.
 
 The checkpoint's MTP head (``mtp.*``) is audited with the rest, loaded beside the target (the
 embedding and the head are the target's) and offered through the engine (``caps.mtp``,
@@ -24,7 +29,7 @@ from typing import Any
 
 from tandem_core.checkpoint import hfdir
 from tandem_core.checkpoint.hfdir import ServeError
-from tandem_core.engine import SequenceEngine
+from tandem_core.engine import Runner, SequenceEngine
 from tandem_core.serving import ServeArgs, ServeContext, Served
 from tandem_core.settings import SETTINGS
 from tandem_core.tokenizer import HFTokenizer, load_chat_template
@@ -32,18 +37,50 @@ from tandem_core.tokenizer import HFTokenizer, load_chat_template
 from tandem_flashnext.config import FlashNextConfig, read_config
 from tandem_flashnext.model import FlashNextRunner
 from tandem_flashnext.mtp import MTPHead, MTPWeights, load_mtp
+from tandem_flashnext.plugin import SETTINGS_DECLARED
 from tandem_flashnext.weights import FlashNextWeights, load_weights, normalise_dtype, open_checkpoint
 
-__all__ = ["serve", "ServeError", "build_engine"]
+__all__ = ["serve", "ServeError", "build_engine", "make_runner", "runner_choice"]
+
+# declared here as well as through the plugin hook: tools and tests build engines without the plugin manager
+# (entry points off), and the declarations are equal, so declaring twice is a no-op
+for _setting in SETTINGS_DECLARED:
+    SETTINGS.declare(_setting)
+
+
+def runner_choice(cfg: FlashNextConfig, weights: FlashNextWeights, cuda_runner: bool | None = None) -> str | None:
+    """Why the weights get the reference runner rather than ``FlashNextCudaRunner`` (None: they get the CUDA one)."""
+    from tandem_flashnext.cuda_runner import unsupported
+
+    if cuda_runner is None:
+        cuda_runner = bool(SETTINGS.get("FLASHNEXT_CUDA_RUNNER"))
+    if not cuda_runner:
+        return "the FLASHNEXT_CUDA_RUNNER setting is off"
+    return unsupported(cfg, weights)
+
+
+def make_runner(cfg: FlashNextConfig, weights: FlashNextWeights, *, max_context: int, prefill_chunk: int,
+                max_tree: int = 64, gdn_chunk: int = 64, last_streams: bool = False, graphs: bool = True,
+                cuda_runner: bool | None = None) -> Runner:
+    """The runner for where the weights are: ``FlashNextCudaRunner`` (CUDA graphs unless ``graphs`` is off) where
+    ``runner_choice`` finds no reason against it, else the plain-torch reference runner, on any device."""
+    if runner_choice(cfg, weights, cuda_runner) is None:
+        from tandem_flashnext.cuda_runner import FlashNextCudaRunner
+
+        return FlashNextCudaRunner(cfg, weights, max_context=max_context, max_tree=max_tree,
+                                   prefill_chunk=prefill_chunk, gdn_chunk=gdn_chunk, last_streams=last_streams,
+                                   graphs=graphs)
+    return FlashNextRunner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk, gdn_chunk=gdn_chunk,
+                           max_tree=max_tree, last_streams=last_streams)
 
 
 def build_engine(cfg: FlashNextConfig, weights: FlashNextWeights, max_context: int, prefill_chunk: int,
                  max_tree: int = 64, gdn_chunk: int = 64, last_streams: bool = False,
-                 mtp: MTPWeights | None = None) -> SequenceEngine:
-    """The core's sequence engine over the reference runner (any device the weights are on); with ``mtp``
-    (the checkpoint's head) it offers the head, with KV rows of its own for ``max_context`` positions."""
-    runner = FlashNextRunner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk,
-                             gdn_chunk=gdn_chunk, max_tree=max_tree, last_streams=last_streams)
+                 mtp: MTPWeights | None = None, graphs: bool = True) -> SequenceEngine:
+    """The core's sequence engine over the runner for the weights' device (``make_runner``); with ``mtp`` (the
+    checkpoint's head) it offers the head, with KV rows of its own for ``max_context`` positions."""
+    runner = make_runner(cfg, weights, max_context=max_context, prefill_chunk=prefill_chunk, max_tree=max_tree,
+                         gdn_chunk=gdn_chunk, last_streams=last_streams, graphs=graphs)
     head = None if mtp is None else MTPHead(cfg, weights, mtp, max_context=max_context)
     return SequenceEngine(runner, name="qwen4_exp", head=head)
 
@@ -83,7 +120,11 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
     if prefill_chunk < 1:
         raise ServeError(f"prefill_chunk {prefill_chunk}: must be positive")
     max_tree = int(args.options.get("max_tree", 64))
-    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree, mtp=mtp)
+    graphs = str(args.options.get("graphs", "1")).lower() not in ("0", "false", "no", "off")
+    why = runner_choice(cfg, weights)
+    if why is not None and weights.device.type == "cuda":
+        ctx.log(f"qwen4_exp: the reference runner on {weights.device}: {why}")
+    engine = build_engine(cfg, weights, max_context, prefill_chunk, max_tree, mtp=mtp, graphs=graphs)
     ctx.mark("engine")
 
     tokenizer = HFTokenizer.from_dir(d)
@@ -107,6 +148,8 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
                      "parameters": 0 if mtp is None else _mtp_parameters(mtp)},
         "max_context": max_context,
         "prefill_chunk": prefill_chunk,
+        "runner": type(engine.runner).__name__,
+        "graph_widths": list(engine.caps.graph_widths),
         "tied_head": weights.tied,
         "skipped": ckpt.skipped,
         "fingerprints": {"weights": weights.identity, "tokenizer": tokenizer.fingerprint(),
@@ -118,7 +161,7 @@ def serve(args: ServeArgs, ctx: ServeContext) -> Served:
             f"{sum(ckpt.skipped.values())} tensors skipped ({', '.join(sorted(ckpt.skipped)) or 'none'})")
 
     def spawn() -> SequenceEngine:
-        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree, mtp=mtp)
+        return build_engine(cfg, weights, max_context, prefill_chunk, max_tree, mtp=mtp, graphs=graphs)
 
     served = Served(model_id=args.model_id, engine=engine, tokenizer=tokenizer, chat_template=template,
                     tool_format="qwen_xml", reasoning=True, stop_ids=stop_ids, info=info, spawn=spawn)
