@@ -134,9 +134,12 @@ def test_the_gate_pauses_a_drafter_that_costs_more_than_it_saves_and_backs_off()
             g.value(2.0)                 # it saves 2 ms a round and costs 10
         else:
             asked.append(False)
-    # warm rounds, then pauses of 1, 2, 4, 8, 16 rounds, each followed by warm fresh rounds
-    assert [i for i, a in enumerate(asked) if a] == [0, 1, 2, 4, 5, 6, 9, 10, 11, 16, 17, 18, 27, 28, 29]
-    assert g.cost_pauses == 5
+    # warm rounds, then pauses of 1, 2, 4, 8, 16, 32 rounds, one losing round between them
+    assert [i for i, a in enumerate(asked) if a] == [0, 1, 2, 4, 7, 12, 21, 38]
+    assert g.cost_pauses == 6
+    # a new request caps the pause an earlier one left at 4 rounds; the cost rule's level stays
+    g.new_request()
+    assert g.cost_skip <= 4 and g.cost_level == 6
     # once its proposals pay, the cost rule's level resets and it is asked every round
     asked = []
     for _ in range(200):
@@ -216,11 +219,20 @@ def test_the_loop_stops_asking_a_costly_drafter_that_does_not_pay(delay_s, pause
     got, dec = run(SpecDecode, spec_engine, prompt, params, max_tokens=400, speculation=spec)
     assert got == want                    # pausing a drafter never changes the answer
     gate = dec._gates["slow"]
+    assert spec.gates["slow"] is gate and dec.stats.paused == gate.skipped   # the engine's gate; its first request
     if paused:
         # paused for 1, 2, 4, ... rounds: most rounds end up plain ones
         assert gate.cost_pauses >= 5 and gate.skipped > 2 * slow.proposals, (gate, slow.proposals)
     else:
-        # at most the first rounds' short pauses (a 7-token prompt gives the lookup nothing to copy yet); once it
-        # pays it is asked every round
-        assert gate.cost_level == 0 and gate.skipped <= 3 and slow.proposals == dec.stats.rounds - gate.skipped, \
+        # at most the first rounds' short pauses, 1 + 2 + 4 (a 7-token prompt gives the lookup nothing to copy
+        # yet); once it pays it is asked every round
+        assert gate.cost_level == 0 and gate.skipped <= 7 and slow.proposals == dec.stats.rounds - gate.skipped, \
             (gate, slow.proposals, dec.stats)
+    # the next request on the engine starts from what the gate learnt: a drafter that does not pay sits out from
+    # its first rounds on
+    before = slow.proposals
+    got, dec2 = run(SpecDecode, spec_engine, [3, 9, 27, 33, 3, 9, 27, 33], params, max_tokens=120, speculation=spec)
+    want, _ = run(Decode, plain_engine, [3, 9, 27, 33, 3, 9, 27, 33], params, max_tokens=120)
+    assert got == want
+    if paused:
+        assert slow.proposals - before < dec2.stats.rounds / 3, (slow.proposals - before, dec2.stats)

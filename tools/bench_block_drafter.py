@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 g["accepted"] += dec.stats.accepted
                 g["t"] += t
                 g["n"] += max(0, len(got) - 1)
-                for gate in dec._gates.values():        # the costly drafter's gate: rounds it sat out, its prices
-                    g["skipped"] += gate.skipped
+                g["skipped"] += dec.stats.paused           # rounds the costly drafter sat out (its gate's pauses)
+                for gate in dec._gates.values():            # the gate's prices after this request
                     g["cost_ms"].append(gate.cost_ms)
                     g["gain_ms"].append(gate.gain_ms)
         plain_rate = plain_n / plain_t if plain_t else 0.0

@@ -49,8 +49,10 @@ class SpecStats:
     accepted: int = 0
     tokens: int = 0
     verify_ms: float = 0.0
+    paused: int = 0             # rounds a costly drafter sat out (its gate's pause), a drafter a round
 
     def add(self, other: SpecStats) -> None:
+        self.paused += other.paused
         self.rounds += other.rounds
         self.drafted += other.drafted
         self.accepted += other.accepted
@@ -69,44 +71,52 @@ class SpecStats:
 @dataclass
 class DrafterGate:
     """Whether a costly drafter (one with ``costly = True``: its proposal is a forward of its own, the block
-    drafter's) proposes this round, for one request. Two rules pause it, each for ``2 ** level`` rounds of its
-    own (the level grows with each pause, up to ``max_level``), after which it is asked again:
+    drafter's) proposes this round. One gate a drafter and engine (``Speculation.gates``): what a proposal costs
+    and saves on this engine carries over from request to request. Two rules pause it, each for ``2 ** level``
+    rounds of its own (the level grows with each pause, up to ``max_level``), after which it is asked again:
 
-    - misses: its verified nodes all missed in ``patience`` verifies in a row (rounds where the cut kept none of
-      its nodes do not count); one accepted node resets this rule's level;
-    - cost: over its rounds since its last pause (an average with weight ``alpha`` on the newest, from the
-      ``warm``-th round on), the time its proposals saved is below the time they cost. A round saves ``gain`` ms: the accepted tokens that
-      needed its nodes (the path from the first accepted node no other drafter proposed) times a decode step's
-      price; it costs the proposal's own wall time. A drafter that hits now and then but not enough to pay for
-      its forward (the block drafter on chat) is paused by this rule, which the misses rule never does.
+    - misses (per request: ``new_request`` resets it): its verified nodes all missed in ``patience`` verifies in
+      a row (rounds where the cut kept none of its nodes do not count); one accepted node resets this rule;
+    - cost: the time its proposals save is below the time they cost, both averaged over the rounds it was asked
+      (``alpha_gain``, ``alpha_cost``: the newest round's weight), decided from the ``warm``-th round on and
+      then every round it is asked. A round saves ``gain`` ms: the accepted tokens that needed its nodes (the
+      path from the first accepted node no other drafter proposed) times a decode step's price; it costs the
+      proposal's own wall time. A drafter that hits now and then but not enough to pay for its forward (the
+      block drafter on chat) is paused by this rule, which the misses rule never does; one round that saves
+      much more than it costs (the text turned to what it drafts well) lifts the average past the cost again.
+      A new request caps a pause left by an earlier one at ``2 ** request_level`` rounds.
 
-    A drafter that guesses nothing right on this text (the block drafter on a language it was not trained on,
-    the lookup drafter on novel prose) then stops costing its proposal every round; skipping never changes what
-    is emitted, only what is drafted."""
+    Skipping never changes what is emitted, only what is drafted."""
 
     patience: int = 8
     max_level: int = 6
-    warm: int = 4
-    alpha: float = 0.25
+    warm: int = 3
+    alpha_gain: float = 0.25
+    alpha_cost: float = 0.5
+    request_level: int = 2
     misses: int = 0
     level: int = 0
-    skip: int = 0
-    skipped: int = 0
+    skip: int = 0               # rounds left of the misses rule's pause
+    cost_skip: int = 0          # rounds left of the cost rule's pause
+    skipped: int = 0            # rounds sat out, every request
     cost_ms: float = 0.0        # average wall ms of one proposal
     gain_ms: float = 0.0        # average ms a round's proposal saved
-    valued: int = 0             # rounds valued since the cost rule's last pause
+    valued: int = 0             # rounds valued (the cost rule decides from the ``warm``-th)
     cost_level: int = 0
     cost_pauses: int = 0
 
     def ask(self) -> bool:
-        if self.skip > 0:
-            self.skip -= 1
+        if self.skip > 0 or self.cost_skip > 0:
+            self.skip = max(0, self.skip - 1)
+            self.cost_skip = max(0, self.cost_skip - 1)
             self.skipped += 1
             return False
         return True
 
-    def _pause(self, level: int) -> None:
-        self.skip = max(self.skip, 2 ** level)
+    def new_request(self) -> None:
+        """A new request on the engine: the misses rule starts over; the cost rule keeps what it learnt."""
+        self.misses = self.level = self.skip = 0
+        self.cost_skip = min(self.cost_skip, 2 ** self.request_level)
 
     def observe(self, accepted: bool) -> None:
         if accepted:
@@ -114,25 +124,25 @@ class DrafterGate:
             return
         self.misses += 1
         if self.misses >= self.patience:
-            self._pause(self.level)
+            self.skip = 2 ** self.level
             self.level = min(self.level + 1, self.max_level)
             self.misses = self.patience - 1      # after the pause one more miss pauses it again, longer
 
     def paid(self, ms: float) -> None:
         """One proposal took ``ms`` of wall time."""
-        self.cost_ms = ms if self.valued == 0 else (1 - self.alpha) * self.cost_ms + self.alpha * ms
+        self.cost_ms = ms if self.valued == 0 else (1 - self.alpha_cost) * self.cost_ms + self.alpha_cost * ms
 
     def value(self, gain_ms: float) -> None:
         """The round's proposal saved ``gain_ms`` (0 when the cut kept none of its nodes). Call after ``paid``."""
-        self.gain_ms = gain_ms if self.valued == 0 else (1 - self.alpha) * self.gain_ms + self.alpha * gain_ms
+        a = self.alpha_gain
+        self.gain_ms = gain_ms if self.valued == 0 else (1 - a) * self.gain_ms + a * gain_ms
         self.valued += 1
         if self.valued < self.warm:
             return
         if self.gain_ms < self.cost_ms:
-            self._pause(self.cost_level)
+            self.cost_skip = 2 ** self.cost_level
             self.cost_level = min(self.cost_level + 1, self.max_level)
             self.cost_pauses += 1
-            self.valued = 0          # the text may have changed meanwhile: after the pause, ``warm`` fresh rounds
         else:
             self.cost_level = 0
 
@@ -157,6 +167,7 @@ class Speculation:
     cut: StairCut
     max_tree: int
     totals: SpecStats = field(default_factory=SpecStats)
+    gates: dict[str, DrafterGate] = field(default_factory=dict)   # the costly drafters' gates on this engine
 
 
 class SpecDecode(Decode):
@@ -171,7 +182,9 @@ class SpecDecode(Decode):
         self._indexing: threading.Thread | None = None
         self._proposed: list[str] = []     # the drafters that proposed this round (their gates hear the outcome)
         self._asked: list[str] = []        # the costly drafters asked this round (their gates price the round)
-        self._gates: dict[str, DrafterGate] = {}   # a costly drafter's gate, for this request (new text, new chance)
+        self._gates = speculation.gates    # the costly drafters' gates: this engine's, each told of the new request
+        for gate in self._gates.values():
+            gate.new_request()
         # drafters that read the target's hidden rows: the engine taps their layers, and every forward of the
         # sequence hands them its rows (the prefill's, each decode step's, each verify's accepted path)
         self._readers = [d for d in speculation.drafters if isinstance(d, ReadsHidden)]
@@ -263,7 +276,9 @@ class SpecDecode(Decode):
         self._asked = []                   # the costly drafters asked this round (each paid for its proposal)
         for d in self.spec.drafters:
             costly = getattr(d, "costly", False)
-            if not costly or self._gates.setdefault(d.name, DrafterGate()).ask():
+            if costly and not self._gates.setdefault(d.name, DrafterGate()).ask():
+                self.stats.paused += 1
+            else:
                 t0 = time.perf_counter()
                 p = d.propose(context, budget)
                 if costly:
