@@ -195,11 +195,11 @@ def _build() -> dict[str, Any]:
 
     # -- conv_tree in the tree kernel's prologue -----------------------------------------------------------
     @triton.jit
-    def _conv_rows(raw_ptr, tail_ptr, w_ptr, win_ptr, out_ptr, i, c, ok, stride_raw, stride_out, eps,
-                   NORM: tl.constexpr, KW: tl.constexpr, BLOCK: tl.constexpr):
-        # triton_fused.conv_tree_kernel's body for node i on channels c (BLOCK of them, ok the live ones):
-        # y = silu(sum_k w[c,k] x_k) over the node's window, rounded to bf16, L2-normalised over the block when
-        # NORM (a q or k head: the block is the whole head, as conv_tree's group)
+    def _conv_rows(raw_ptr, tail_ptr, w_ptr, win_ptr, out_ptr, i, g, c, ok, QK_HEADS, stride_raw, stride_out,
+                   eps, KW: tl.constexpr, BLOCK: tl.constexpr):
+        # triton_fused.conv_tree_kernel's body for node i on channels c of group g (BLOCK of them, ok the live
+        # ones): y = silu(sum_k w[c,k] x_k) over the node's window, rounded to bf16, L2-normalised over the block
+        # when g < QK_HEADS (a q or k head: the block is the whole head, as conv_tree's group)
         xi = tl.load(raw_ptr + i * stride_raw + c, mask=ok, other=0.0)                      # bf16
         y = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(KW - 1):
@@ -217,14 +217,14 @@ def _build() -> dict[str, Any]:
                 y = y + x * wk
         y = y + xi.to(tl.float32) * tl.load(w_ptr + c * KW + (KW - 1), mask=ok, other=0.0)
         y = (y / (1.0 + tl.exp(-y))).to(tl.bfloat16).to(tl.float32)    # the reference rounds the conv output
-        if NORM:
+        if g < QK_HEADS:
             y = y / tl.sqrt(tl.sum(tl.where(ok, y * y, 0.0), 0) + eps)
         tl.store(out_ptr + i * stride_out + c, y, mask=ok)
 
     globals().update(_conv_rows=_conv_rows)
 
     @triton.jit(do_not_specialize=["write_out", "final_store"])
-    def conv_tree_gdn_kernel(raw_ptr, tail_ptr, cw_ptr, win_ptr, C, stride_raw, conv_eps,
+    def conv_tree_gdn_kernel(raw_ptr, tail_ptr, cw_ptr, win_ptr, C, QK_HEADS, stride_raw, conv_eps,
                              qkv_ptr, ab_ptr, alog_ptr, dtb_ptr, S_ptr, scratch_ptr, o_ptr, plan_ptr, n_ptr,
                              write_out, final_store, col_b, col_a, scale,
                              stride_qkv_l, stride_qkv_r, stride_ab_l, stride_ab_r, stride_S_l, stride_o_r,
@@ -240,24 +240,7 @@ def _build() -> dict[str, Any]:
         lyr = tl.program_id(2)
         hk = h // G
         n = tl.load(n_ptr)
-        # -- prologue: conv_tree for q head hk, k head hk (groups hk and HV // G + hk of DK channels) and the
-        # value columns vb*BV .. of head h
-        qkv_w = qkv_ptr + lyr * stride_qkv_l
-        offs_c = tl.arange(0, CB)
-        c_ok = offs_c < DK
-        cq = hk * DK + offs_c
-        ck = (HV // G) * DK + hk * DK + offs_c
-        cv = 2 * (HV // G) * DK + h * DV + vb * BV + tl.arange(0, BV)
-        cv_ok = (vb * BV + tl.arange(0, BV) < DV) & (cv < C)
-        for i in range(0, n):
-            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_w, i, cq, c_ok & (cq < C), stride_raw,
-                       stride_qkv_r, conv_eps, True, KW, CB)
-            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_w, i, ck, c_ok & (ck < C), stride_raw,
-                       stride_qkv_r, conv_eps, True, KW, CB)
-            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_w, i, cv, cv_ok, stride_raw, stride_qkv_r,
-                       conv_eps, False, KW, BV)
-        tl.debug_barrier()          # the rows read below were written by this CTA's threads
-        # -- triton_gdn.tree_kernel
+        # -- triton_gdn.tree_kernel's setup first (the state slice's load is in flight during the prologue)
         offs_k = tl.arange(0, BK)
         offs_v = vb * BV + tl.arange(0, BV)
         k_ok = offs_k < DK
@@ -274,6 +257,23 @@ def _build() -> dict[str, Any]:
         sc_base = scratch_ptr + lyr * stride_par_l + h * DK * DV
         alog = tl.load(alog_ptr + lyr * HV + h)
         dtb = tl.load(dtb_ptr + lyr * HV + h)
+        # -- prologue: conv_tree for q head hk, k head hk (groups hk and HV // G + hk of DK channels) and the
+        # value columns vb*BV .. of head h, nodes 0..n-1
+        offs_c = tl.arange(0, CB)
+        c_ok = offs_c < DK
+        cq = hk * DK + offs_c
+        ck = (HV // G) * DK + hk * DK + offs_c
+        cv = 2 * (HV // G) * DK + h * DV + vb * BV + tl.arange(0, BV)
+        cv_ok = (vb * BV + tl.arange(0, BV) < DV) & (cv < C)
+        for i in range(0, n):
+            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, hk, cq, c_ok & (cq < C), QK_HEADS,
+                       stride_raw, stride_qkv_r, conv_eps, KW, CB)
+            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, HV // G + hk, ck, c_ok & (ck < C), QK_HEADS,
+                       stride_raw, stride_qkv_r, conv_eps, KW, CB)
+            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, QK_HEADS, cv, cv_ok, QK_HEADS, stride_raw,
+                       stride_qkv_r, conv_eps, KW, BV)
+        tl.debug_barrier()          # the rows read below were written by this CTA's threads
+        # -- triton_gdn.tree_kernel's body
         q_col = hk * DK + offs_k
         k_col = (HV // G) * DK + hk * DK + offs_k
         v_col = 2 * (HV // G) * DK + h * DV + offs_v
@@ -404,7 +404,7 @@ def conv_gdn_tree(raw: torch.Tensor, tail: torch.Tensor, conv_w: torch.Tensor, w
     G = Hv // num_k_heads
     grid = (Hv, math.ceil(Dv / BV), 1)
     NP = max(16, next_pow2(plan.numel() // 3))
-    kernels()["conv_tree_gdn"][grid](raw, tail, conv_w, win, C, raw.stride(0), float(eps),
+    kernels()["conv_tree_gdn"][grid](raw, tail, conv_w, win, C, qk_heads, raw.stride(0), float(eps),
                                      qkv, ab, A_log, dt_bias, S, scratch, o, plan, n, int(write_out),
                                      int(final_store), col_b, col_a, float(scale), qkv.stride(0), qkv.stride(1),
                                      ab.stride(0), ab.stride(1), S.stride(0), o.stride(0),
