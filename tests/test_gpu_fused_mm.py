@@ -1,12 +1,12 @@
-"""The fused step kernels (``tandem_core.ops.triton_fused_mm``) against the unfused pairs they replace, bit for bit.
+"""The fused step kernels (``tandem_core.ops.triton_fused_mm``) against the unfused pairs, bit for bit.
 
 On a CUDA device at the 27B's shapes (hidden 5120, MLP 17408; 48 value heads and 16 key heads of 128, conv
 kernel 4), 1, 3, 16 and 64 rows, every matmul layout:
 
 - ``silu_mul_matmul(gu, w, plan)`` equals ``skinny_matmul(silu_mul(gu), w, plan)`` (``torch.equal``: bf16
   output, or every fp32 partial of a split K);
-- ``conv_gdn_tree(...)`` equals ``conv_tree`` then ``gdn_tree``: the conv rows it stores, the tree's output and
-  the state it stores (decode) or leaves (verify).
+- ``conv_gdn_tree(...)`` equals ``conv_tree`` then ``gdn_tree``: the conv rows it stores, the tree's output
+  and the state it stores (decode) or leaves (verify).
 
 Skipped without CUDA and Triton. With ``TRITON_INTERPRET=1`` (and Triton installed) the same comparisons run
 on the CPU in the interpreter, at reduced shapes with the same tile structure (``TANDEM_FUSED_FULL=1``: the
@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON or not (torch.cuda.is_available()
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = DEV == "cuda" or os.environ.get("TANDEM_FUSED_FULL") == "1"
-# the 27B (tools/bench_gpu.py SHAPE): hidden, MLP; under the interpreter a reduced MLP of the same tiles (K cut
-# in the same number of 128-wide steps per part is not needed for the dataflow: a few steps per part are)
+# the 27B (tools/bench_gpu.py SHAPE): hidden, MLP, the linear attention's heads; under the interpreter smaller
+# ones with the same tiles (128-wide K steps, a few per part of a split K; heads of 128, fewer of them)
 HIDDEN, INTER = (5120, 17408) if FULL else (256, 1536)
 HK, HV, DK, DV, KW = (16, 48, 128, 128, 4) if FULL else (2, 6, 128, 128, 4)
 ROWS = [1, 3, 16, 64]
@@ -138,8 +138,8 @@ def test_conv_gdn_tree_equals_conv_tree_then_the_tree(N, decode):
     qkv_b = torch.zeros(1, W, C, device=DEV)
     S_b, o_b = S0.clone(), torch.zeros(W, HV, DV, device=DEV)
     scr_b = torch.zeros(W, HV, DK, DV, device=DEV)
-    fm.conv_gdn_tree(proj[0], tail, cw, win, qkv_b, proj, col_b, col_a, A_log, dt_bias, S_b, scr_b, o_b, plan, n,
-                     head_dim=DK, qk_heads=2 * HK, **kw)
+    fm.conv_gdn_tree(proj[0], tail, cw, win, qkv_b, proj, col_b, col_a, A_log, dt_bias, S_b, scr_b, o_b, plan,
+                     n, head_dim=DK, qk_heads=2 * HK, **kw)
 
     assert torch.equal(qkv_b, qkv_a), "conv rows"
     assert torch.equal(o_b, o_a), "tree output"
@@ -153,10 +153,10 @@ def test_conv_gdn_tree_refuses_groups_that_are_not_the_heads():
     C = 2 * HK * DK + HV * DV
     z = torch.zeros(1, 4, C, device=DEV)
     S = torch.zeros(1, HV, DK, DV, device=DEV)
+    i32 = dict(dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="not the heads"):
-        fm.conv_gdn_tree(z[0].bfloat16(), torch.zeros(C, KW - 1, device=DEV).bfloat16(), torch.zeros(C, KW, device=DEV),
-                         torch.zeros(4, KW - 1, dtype=torch.int32, device=DEV), z, z.bfloat16(), 0, 0,
+        fm.conv_gdn_tree(z[0].bfloat16(), torch.zeros(C, KW - 1, device=DEV).bfloat16(),
+                         torch.zeros(C, KW, device=DEV), torch.zeros(4, KW - 1, **i32), z, z.bfloat16(), 0, 0,
                          torch.zeros(1, HV, device=DEV), torch.zeros(1, HV, device=DEV), S, S, z,
-                         torch.zeros(3, dtype=torch.int32, device=DEV), torch.ones(1, dtype=torch.int32, device=DEV),
-                         write_out=True, final_store=True, scale=1.0, num_k_heads=HK, head_dim=DK // 2,
-                         qk_heads=2 * HK)
+                         torch.zeros(3, **i32), torch.ones(1, **i32), write_out=True, final_store=True,
+                         scale=1.0, num_k_heads=HK, head_dim=DK // 2, qk_heads=2 * HK)

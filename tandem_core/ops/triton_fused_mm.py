@@ -1,4 +1,4 @@
-"""Kernels that fold a small row-wise kernel of the decode/verify step into its neighbour (Triton), bit for bit.
+"""Small kernels of the decode/verify step folded into their neighbours (Triton), bit for bit.
 
 A CUDA graph step of the 27B is some 650 launches; each small kernel costs its own time
 plus about a microsecond of dependency latency before the next one starts. Two of them
@@ -197,9 +197,9 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def _conv_rows(raw_ptr, tail_ptr, w_ptr, win_ptr, out_ptr, i, g, c, ok, QK_HEADS, stride_raw, stride_out,
                    eps, KW: tl.constexpr, BLOCK: tl.constexpr):
-        # triton_fused.conv_tree_kernel's body for node i on channels c of group g (BLOCK of them, ok the live
-        # ones): y = silu(sum_k w[c,k] x_k) over the node's window, rounded to bf16, L2-normalised over the block
-        # when g < QK_HEADS (a q or k head: the block is the whole head, as conv_tree's group)
+        # triton_fused.conv_tree_kernel's body for node i on channels c of group g (BLOCK of them, ok the
+        # live ones): y = silu(sum_k w[c,k] x_k) over the node's window, rounded to bf16, L2-normalised over
+        # the block when g < QK_HEADS (a q or k head: the block is the whole head, as conv_tree's group)
         xi = tl.load(raw_ptr + i * stride_raw + c, mask=ok, other=0.0)                      # bf16
         y = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(KW - 1):
@@ -232,8 +232,8 @@ def _build() -> dict[str, Any]:
                              DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              NP: tl.constexpr, CB: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
         # one layer: the prologue writes qkv (conv_tree's output) for the channels this program reads, nodes
-        # 0..n-1 (raw: the projection [rows, >= C] bf16; tail [C, KW-1] bf16; cw [C, KW] fp32; win [rows, KW-1]
-        # int32), then triton_gdn.tree_kernel's body, line for line
+        # 0..n-1 (raw: the projection [rows, >= C] bf16; tail [C, KW-1] bf16; cw [C, KW] fp32; win
+        # [rows, KW-1] int32), then triton_gdn.tree_kernel's body, line for line
         pdl_wait(PDL)
         h = tl.program_id(0)
         vb = tl.program_id(1)
@@ -268,10 +268,10 @@ def _build() -> dict[str, Any]:
         for i in range(0, n):
             _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, hk, cq, c_ok & (cq < C), QK_HEADS,
                        stride_raw, stride_qkv_r, conv_eps, KW, CB)
-            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, HV // G + hk, ck, c_ok & (ck < C), QK_HEADS,
-                       stride_raw, stride_qkv_r, conv_eps, KW, CB)
-            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, QK_HEADS, cv, cv_ok, QK_HEADS, stride_raw,
-                       stride_qkv_r, conv_eps, KW, BV)
+            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, HV // G + hk, ck, c_ok & (ck < C),
+                       QK_HEADS, stride_raw, stride_qkv_r, conv_eps, KW, CB)
+            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, QK_HEADS, cv, cv_ok, QK_HEADS,
+                       stride_raw, stride_qkv_r, conv_eps, KW, BV)
         tl.debug_barrier()          # the rows read below were written by this CTA's threads
         # -- triton_gdn.tree_kernel's body
         q_col = hk * DK + offs_k
@@ -330,13 +330,15 @@ def kernels() -> dict[str, Any]:
 # -- launchers ---------------------------------------------------------------------------------------------
 def silu_mul_matmul(gu: torch.Tensor, w: torch.Tensor, plan: tm.MatmulPlan | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """``skinny_matmul(silu_mul(gu), w, plan, out)`` in one launch, bit for bit: ``gu: [M, 2I]`` bf16 (gate then
-    up; row stride free, unit column stride), ``w: [N, I]`` contiguous rows. Returns what ``skinny_matmul``
-    returns for that plan: ``[M, N]`` bf16 (no split of K) or fp32 partials ``[split, M, N]``."""
+    """``skinny_matmul(silu_mul(gu), w, plan, out)`` in one launch, bit for bit: ``gu: [M, 2I]`` bf16 (gate
+    then up; row stride free, unit column stride), ``w: [N, I]`` contiguous rows. Returns what
+    ``skinny_matmul`` returns for that plan: ``[M, N]`` bf16 (no split of K) or fp32 partials
+    ``[split, M, N]``."""
     M, K2 = gu.shape
     N, K = w.shape
     if K2 != 2 * K:
-        raise ValueError(f"silu_mul_matmul: gu has {K2} columns, the weight {K} (gu holds gate and up: 2 x {K})")
+        raise ValueError(f"silu_mul_matmul: gu has {K2} columns, the weight {K} "
+                         f"(gu holds gate and up: 2 x {K})")
     if M > tm.MAX_ROWS:
         raise ValueError(f"silu_mul_matmul: {M} rows exceed the row-invariant path's {tm.MAX_ROWS}")
     if gu.stride(1) != 1 or w.stride(1) != 1:
@@ -371,24 +373,26 @@ def silu_mul_matmul(gu: torch.Tensor, w: torch.Tensor, plan: tm.MatmulPlan | Non
 
 def conv_gdn_tree(raw: torch.Tensor, tail: torch.Tensor, conv_w: torch.Tensor, win: torch.Tensor,
                   qkv: torch.Tensor, ab: torch.Tensor, col_b: int, col_a: int, A_log: torch.Tensor,
-                  dt_bias: torch.Tensor, S: torch.Tensor, scratch: torch.Tensor, o: torch.Tensor, plan: torch.Tensor,
-                  n: torch.Tensor, *, write_out: bool, final_store: bool, scale: float, num_k_heads: int,
-                  head_dim: int, qk_heads: int, eps: float = 1e-6, BV: int = 16) -> None:
+                  dt_bias: torch.Tensor, S: torch.Tensor, scratch: torch.Tensor, o: torch.Tensor,
+                  plan: torch.Tensor, n: torch.Tensor, *, write_out: bool, final_store: bool, scale: float,
+                  num_k_heads: int, head_dim: int, qk_heads: int, eps: float = 1e-6, BV: int = 16) -> None:
     """``triton_fused.conv_tree(raw, tail, conv_w, win, n, qkv[0], head_dim, qk_heads, rows)`` then
     ``triton_gdn.gdn_tree(qkv, ab, ..., layers=1)`` in one launch, bit for bit (both results: ``qkv`` rows
     ``< n[0]`` and what the tree writes).
 
-    ``raw: [rows, >= C]`` bf16 (the projection, row-strided); ``tail: [C, K-1]`` bf16; ``conv_w: [C, K]`` fp32;
-    ``win: [rows, K-1]`` int32; ``qkv: [1, rows, C]`` fp32 (written, then read by the recurrence); the rest as
-    ``gdn_tree``. The channel groups must be the heads: ``head_dim == Dk`` and ``qk_heads == 2 * num_k_heads``
-    (q heads, then k heads, then the value heads)."""
+    ``raw: [rows, >= C]`` bf16 (the projection, row-strided); ``tail: [C, K-1]`` bf16; ``conv_w: [C, K]``
+    fp32; ``win: [rows, K-1]`` int32; ``qkv: [1, rows, C]`` fp32 (written, then read by the recurrence);
+    the rest as ``gdn_tree``. The channel groups must be the heads: ``head_dim == Dk`` and
+    ``qk_heads == 2 * num_k_heads`` (q heads, then k heads, then the value heads). With ``TREE_WARPS != 1``
+    (the conv's q/k norm would sum in another order than ``conv_tree``'s one warp) it runs the pair."""
     Ly, Hv, Dk, Dv = S.shape
     C, KW = conv_w.shape
     if Ly != 1 or qkv.dim() != 3 or qkv.shape[0] != 1 or ab.dim() != 3 or ab.shape[0] != 1:
         raise ValueError("conv_gdn_tree: one layer (S, qkv and ab with a leading dimension of 1)")
     if head_dim != Dk or qk_heads != 2 * num_k_heads or C != 2 * num_k_heads * Dk + Hv * Dv:
-        raise ValueError(f"conv_gdn_tree: conv groups of {head_dim} with {qk_heads} q/k groups over {C} channels "
-                         f"are not the heads ({num_k_heads} key heads of {Dk}, {Hv} value heads of {Dv})")
+        raise ValueError(f"conv_gdn_tree: conv groups of {head_dim} with {qk_heads} q/k groups over {C} "
+                         f"channels are not the heads ({num_k_heads} key heads of {Dk}, {Hv} value heads of "
+                         f"{Dv})")
     if qkv.stride(2) != 1 or raw.stride(1) != 1:
         raise ValueError("conv_gdn_tree: qkv and raw need a unit column stride")
     from tandem_core.ops import triton_fused as tf
@@ -406,8 +410,8 @@ def conv_gdn_tree(raw: torch.Tensor, tail: torch.Tensor, conv_w: torch.Tensor, w
     NP = max(16, next_pow2(plan.numel() // 3))
     kernels()["conv_tree_gdn"][grid](raw, tail, conv_w, win, C, qk_heads, raw.stride(0), float(eps),
                                      qkv, ab, A_log, dt_bias, S, scratch, o, plan, n, int(write_out),
-                                     int(final_store), col_b, col_a, float(scale), qkv.stride(0), qkv.stride(1),
-                                     ab.stride(0), ab.stride(1), S.stride(0), o.stride(0),
+                                     int(final_store), col_b, col_a, float(scale), qkv.stride(0),
+                                     qkv.stride(1), ab.stride(0), ab.stride(1), S.stride(0), o.stride(0),
                                      scratch.stride(0) if scratch.dim() == 4 else 0, 0, Hv, G,
                                      DK=Dk, DV=Dv, BK=next_pow2(Dk), BV=BV, NP=NP, CB=next_pow2(head_dim),
                                      KW=KW, num_warps=tg.TREE_WARPS, **pdl.launch_kw())

@@ -390,7 +390,8 @@ class CudaRunner:
                                      final_store=decode, scale=self.dk ** -0.5, num_k_heads=self.hk,
                                      head_dim=self.dk, qk_heads=2 * self.hk)
                 else:
-                    tf.conv_tree(proj, self.conv[s], m.conv, win, n, self.qkvc[s, :W], self.dk, 2 * self.hk, W)
+                    tf.conv_tree(proj, self.conv[s], m.conv, win, n, self.qkvc[s, :W], self.dk, 2 * self.hk,
+                                 W)
                     tg.gdn_tree(self.qkvc[s:s + 1], self.proj[s:s + 1], self.col_b, self.col_a,
                                 fw.A_log[s:s + 1], fw.dt_bias[s:s + 1], self.S[s:s + 1], self.branch, self.o,
                                 meta.d("plan"), n, write_out=True, final_store=decode, scale=self.dk ** -0.5,
@@ -419,8 +420,8 @@ class CudaRunner:
             tf.conv_commit(self.conv, self.proj[:, :W], meta.d("path"), head[2:3])
 
     def _mm_parts(self, x: torch.Tensor, w: torch.Tensor, act: bool = False) -> torch.Tensor:
-        """``x @ w^T`` by the weight's plan into the step's buffers (bf16 rows, or fp32 partials of a split K);
-        ``act``: ``x`` is the gate/up rows ``[M, 2K]`` and the matmul reads ``silu_mul(x)``, made on load."""
+        """``x @ w^T`` by the weight's plan into the step's buffers (bf16 rows, or fp32 partials of a split
+        K); ``act``: ``x`` is the gate/up rows ``[M, 2K]``, the matmul reads ``silu_mul(x)`` made on load."""
         from tandem_core.ops import triton_fused_mm as fm
         from tandem_core.ops import triton_matmul as tm
 

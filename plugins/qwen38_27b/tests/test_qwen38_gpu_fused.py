@@ -1,15 +1,15 @@
-"""The CUDA graph runner's fused kernels (``CudaRunner(fuse=...)``, ``tandem_core.ops.triton_fused_mm``) change no bit.
+"""The CUDA graph runner's fused kernels (``CudaRunner(fuse=...)``, ``triton_fused_mm``) change no bit.
 
-Two ``CudaRunner``s over the same random fused weights (a small Qwen3.8 shape: three Gated DeltaNet layers and one
-attention layer), one with every fusion at every width, one with none:
+Two ``CudaRunner``s over the same random fused weights (a small Qwen3.8 shape: three Gated DeltaNet layers and
+one attention layer), one with every fusion at every width, one with none:
 
 - their decode logits, their verify logits at widths 1..64 (chains and branching trees) and the state after
   each step and commit (``S``, the conv tails, ``K``/``V``, the kept conv rows) are equal bit for bit;
-- with the default fusions (fused decode and narrow verifies, the unfused pair for wide ones) verified rows equal
-  decode rows bit for bit, and the state after a commit equals plain decode's.
+- with the default fusions (fused decode and narrow verifies, the unfused pair for wide ones) verified rows
+  equal decode rows bit for bit, and the state after a commit equals plain decode's.
 
-On a CUDA device the steps are the captured graphs. Skipped without CUDA and Triton; with ``TRITON_INTERPRET=1``
-(Triton installed) the same tests run the eager steps on the CPU in the interpreter.
+On a CUDA device the steps are the captured graphs. Skipped without CUDA and Triton; with
+``TRITON_INTERPRET=1`` (Triton installed) the same tests run the eager steps on the CPU in the interpreter.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ DEV = "cuda" if CUDA else "cpu"
 VOCAB = 320
 SHAPE = dict(
     model_type="qwen3_5_text", vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=6,
-    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
-    max_position_embeddings=4096, rms_norm_eps=1e-6,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+    linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+    full_attention_interval=4, max_position_embeddings=4096, rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 )
 # the interpreter is slow: fewer and narrower widths there (still fused and unfused ones, and a padded width)
@@ -55,8 +55,8 @@ def random_fused(cfg, seed: int = 0):
     layers = []
     for i in range(cfg.num_hidden_layers):
         if cfg.is_linear(i):
-            mixer = GdnW(mat(cfg.conv_dim + cfg.gdn_value_dim + 2 * cfg.linear_num_value_heads, H),
-                         vec(cfg.conv_dim * cfg.linear_conv_kernel_dim, 0.5).view(cfg.conv_dim, -1).contiguous(),
+            conv = vec(cfg.conv_dim * cfg.linear_conv_kernel_dim, 0.5).view(cfg.conv_dim, -1).contiguous()
+            mixer = GdnW(mat(cfg.conv_dim + cfg.gdn_value_dim + 2 * cfg.linear_num_value_heads, H), conv,
                          vec(cfg.linear_value_head_dim) + 1.0, mat(H, cfg.gdn_value_dim))
         else:
             D = cfg.head_dim
@@ -168,8 +168,8 @@ def test_verified_rows_equal_decode_rows_with_the_default_fusions(cfg, fw):
     for t in toks:
         rows.append(run.decode(t)[0].clone())
         states.append(state(run))
-    # a chain of 10 (a padded width 16: the fused kernels) and a tree of the widest width (the pair): every path
-    # row equal
+    # a chain of 10 (a padded width 16: the fused kernels) and a tree of the widest width (the pair): every
+    # path row equal
     restore(run, start)
     out = run.verify(toks, list(range(-1, 9))).clone()
     for j in range(10):
