@@ -6,7 +6,9 @@ kernel 4), 1, 3, 16 and 64 rows, every matmul layout:
 - ``silu_mul_matmul(gu, w, plan)`` equals ``skinny_matmul(silu_mul(gu), w, plan)`` (``torch.equal``: bf16
   output, or every fp32 partial of a split K);
 - ``conv_gdn_tree(...)`` equals ``conv_tree`` then ``gdn_tree``: the conv rows it stores, the tree's output
-  and the state it stores (decode) or leaves (verify).
+  and the state it stores (decode) or leaves (verify);
+- ``embed_rms_norm_1p`` equals the embedding gather then ``add_rms_norm_1p`` without parts: the residual rows
+  and the normed rows.
 
 Skipped without CUDA and Triton. With ``TRITON_INTERPRET=1`` (and Triton installed) the same comparisons run
 on the CPU in the interpreter, at reduced shapes with the same tile structure (``TANDEM_FUSED_FULL=1``: the
@@ -160,3 +162,22 @@ def test_conv_gdn_tree_refuses_groups_that_are_not_the_heads():
                          torch.zeros(1, HV, device=DEV), torch.zeros(1, HV, device=DEV), S, S, z,
                          torch.zeros(3, **i32), torch.ones(1, **i32), write_out=True, final_store=True,
                          scale=1.0, num_k_heads=HK, head_dim=DK // 2, qk_heads=2 * HK)
+
+
+@pytest.mark.parametrize("R", ROWS)
+def test_embed_rms_norm_equals_the_gather_then_the_norm(R):
+    from tandem_core.ops import triton_fused as tf
+    from tandem_core.ops import triton_fused_mm as fm
+
+    g = torch.Generator().manual_seed(R)
+    V = 3000
+    embed = torch.randn(V, HIDDEN, generator=g).bfloat16().to(DEV)
+    w = (torch.randn(HIDDEN, generator=g) * 0.1).to(DEV)
+    ids = torch.randint(0, V, (R,), generator=g).to(DEV)
+    x_a = torch.zeros(R + 2, HIDDEN, dtype=torch.bfloat16, device=DEV)[:R]
+    h_a = torch.zeros_like(x_a)
+    torch.index_select(embed, 0, ids, out=x_a)
+    tf.add_rms_norm_1p(x_a, None, w, 1e-6, h_a)
+    x_b, h_b = torch.full_like(x_a, float("nan")), torch.full_like(x_a, float("nan"))
+    fm.embed_rms_norm_1p(embed, ids, x_b, w, 1e-6, h_b)
+    assert torch.equal(x_b, x_a) and torch.equal(h_b, h_a)

@@ -24,6 +24,11 @@ fold into their neighbour here without changing a single bit of what the step co
   prologue walks the nodes one after another, so it pays at decode (one node) and costs
   at wide verifies (``CudaRunner``'s ``fuse_conv_rows``).
 
+- ``embed_rms_norm_1p(embed, ids, x, w, eps, out)``: the step's embedding gather
+  (``index_select`` into the residual rows) and the first layer's input norm
+  (``add_rms_norm_1p`` without parts) in one launch: ``add_norm``'s kernel whose row is loaded
+  from the embedding table (and stored as the residual row) instead of from the residual.
+
 Why nothing else of the step folds the same way: ``gated_norm`` needs the L2 norm of a
 whole value head, which the tree kernel spreads over ``Dv / BV`` programs; ``add_norm``,
 ``qk_post`` and attention's ``combine`` end in reductions whose order is fixed by their own
@@ -49,7 +54,7 @@ from tandem_core.ops import triton_matmul as tm
 from tandem_core.ops import triton_pdl as pdl
 from tandem_core.ops.triton_fused import next_pow2
 
-__all__ = ["kernels", "silu_mul_matmul", "conv_gdn_tree"]
+__all__ = ["kernels", "silu_mul_matmul", "conv_gdn_tree", "embed_rms_norm_1p"]
 
 tl: Any = None
 _K: dict[str, Any] = {}
@@ -318,7 +323,26 @@ def _build() -> dict[str, Any]:
         if final_store != 0:
             tl.store(S_base + s_off, St, mask=kv_ok)
 
-    return {"mmt_silu": mmt_silu_kernel, "mm_silu": mm_silu_kernel, "conv_tree_gdn": conv_tree_gdn_kernel}
+    # -- the embedding gather into the first norm ---------------------------------------------------------
+    @triton.jit
+    def embed_norm_kernel(emb_ptr, ids_ptr, x_ptr, w_ptr, out_ptr, H, stride_e, stride_x, stride_o, eps,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        # one row: x <- embed[ids[r]]; out = bf16(x / rms(x) * (1 + w)) (triton_fused.add_norm_kernel, NP = 0)
+        r = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < H
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+        tok = tl.load(ids_ptr + r)
+        xb = tl.load(emb_ptr + tok * stride_e + offs, mask=ok, other=0.0)
+        tl.store(x_ptr + r * stride_x + offs, xb, mask=ok)
+        x = xb.to(tl.float32)
+        ms = tl.sum(x * x, 0) / H
+        inv = 1.0 / tl.sqrt(ms + eps)
+        tl.store(out_ptr + r * stride_o + offs, (x * inv * (1.0 + w)).to(tl.bfloat16), mask=ok)
+
+    return {"mmt_silu": mmt_silu_kernel, "mm_silu": mm_silu_kernel, "conv_tree_gdn": conv_tree_gdn_kernel,
+            "embed_norm": embed_norm_kernel}
 
 
 def kernels() -> dict[str, Any]:
@@ -415,3 +439,19 @@ def conv_gdn_tree(raw: torch.Tensor, tail: torch.Tensor, conv_w: torch.Tensor, w
                                      scratch.stride(0) if scratch.dim() == 4 else 0, 0, Hv, G,
                                      DK=Dk, DV=Dv, BK=next_pow2(Dk), BV=BV, NP=NP, CB=next_pow2(head_dim),
                                      KW=KW, num_warps=tg.TREE_WARPS, **pdl.launch_kw())
+
+
+def embed_rms_norm_1p(embed: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float,
+                      out: torch.Tensor) -> torch.Tensor:
+    """``torch.index_select(embed, 0, ids, out=x)`` then ``triton_fused.add_rms_norm_1p(x, None, w, eps, out)``
+    in one launch, bit for bit: ``embed: [V, H]`` bf16 rows, ``ids: [R]`` integer, ``x, out: [R, H]`` bf16 (unit
+    column stride; ``x`` gets the embedding rows), ``w: [H]`` fp32 zero-centred."""
+    R, H = x.shape
+    if embed.shape[1] != H or out.shape != x.shape or ids.shape != (R,):
+        raise ValueError(f"embed_rms_norm_1p: embed {tuple(embed.shape)}, ids {tuple(ids.shape)}, x "
+                         f"{tuple(x.shape)}, out {tuple(out.shape)}: need [V, H], [R], [R, H], [R, H]")
+    if embed.stride(1) != 1 or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("embed_rms_norm_1p: embed, x and out need a unit column stride")
+    kernels()["embed_norm"][(R,)](embed, ids, x, w, out, H, embed.stride(0), x.stride(0), out.stride(0),
+                                  float(eps), BLOCK=next_pow2(H), num_warps=8, **pdl.launch_kw())
+    return out

@@ -21,9 +21,10 @@ configuration on every row (``tandem_core.ops.triton_*``), so a verified row equ
 decode row bit for bit.
 
 Fusions (``fuse``, on by default; ``tandem_core.ops.triton_fused_mm``): the MLP's ``silu_mul``
-is made on load by the down projection's matmul (same plan) at widths up to ``fuse_rows``, and
-a Gated DeltaNet layer's ``conv_tree`` runs in the tree kernel's prologue at widths up to
-``fuse_conv_rows``: 64 + 48 launches fewer a decode step on the 27B. Each fused kernel computes
+is made on load by the down projection's matmul (same plan) and the embedding gather is the
+first norm's load, at widths up to ``fuse_rows``; a Gated DeltaNet layer's ``conv_tree`` runs
+in the tree kernel's prologue at widths up to ``fuse_conv_rows``: 64 + 1 + 48 launches fewer a
+decode step on the 27B. Each fused kernel computes
 what the pair computes bit for bit, so which widths use them changes no row (decode and verify
 rows stay equal whatever the split); wider calls keep the pair, where the fused kernel's
 repeated work (the activation per column tile, the conv node by node) would cost more than the
@@ -373,11 +374,15 @@ class CudaRunner:
         fuse_act, fuse_conv = W <= self.fuse_rows, W <= self.fuse_conv_rows
         head = meta.d("head")
         n = head[1:2]
-        torch.index_select(fw.embed, 0, meta.ids[:W], out=self.x[:W])
         x, h = self.x[:W], self.h[:W]
+        if fuse_act:
+            fm.embed_rms_norm_1p(fw.embed, meta.ids[:W], x, fw.layers[0].in_norm, eps, h)
+        else:
+            torch.index_select(fw.embed, 0, meta.ids[:W], out=x)
         parts: torch.Tensor | None = None
         for i, ly in enumerate(fw.layers):
-            tf.add_rms_norm_1p(x, parts, ly.in_norm, eps, h)
+            if i > 0 or not fuse_act:
+                tf.add_rms_norm_1p(x, parts, ly.in_norm, eps, h)
             m, s = ly.mixer, self.slots[i]
             if isinstance(m, GdnW):
                 proj = self.proj[s, :W]
