@@ -21,10 +21,10 @@ configuration on every row (``tandem_core.ops.triton_*``), so a verified row equ
 decode row bit for bit.
 
 Fusions (``fuse``, on by default; ``tandem_core.ops.triton_fused_mm``): the MLP's ``silu_mul``
-is made on load by the down projection's matmul (same plan) and the embedding gather is the
-first norm's load, at widths up to ``fuse_rows``; a Gated DeltaNet layer's ``conv_tree`` runs
-in the tree kernel's prologue at widths up to ``fuse_conv_rows``: 64 + 1 + 48 launches fewer a
-decode step on the 27B. Each fused kernel computes
+is made on load by the down projection's matmul (same plan) at widths up to ``fuse_rows``; a
+Gated DeltaNet layer's ``conv_tree`` runs in the tree kernel's prologue at widths up to
+``fuse_conv_rows``; the embedding gather is the first norm's load at every width: 64 + 48 + 1
+launches fewer a decode step on the 27B. Each fused kernel computes
 what the pair computes bit for bit, so which widths use them changes no row (decode and verify
 rows stay equal whatever the split); wider calls keep the pair, where the fused kernel's
 repeated work (the activation per column tile, the conv node by node) would cost more than the
@@ -301,7 +301,9 @@ class CudaRunner:
         if self.widths[0] != 1 or self.widths[-1] > tm.MAX_ROWS:
             raise ValueError(f"widths {self.widths}: need 1 and at most {tm.MAX_ROWS}")
         self.prefill_chunk = int(prefill_chunk)
-        # the widths up to which a step uses the fused kernels (0: none); decode is width 1
+        # the widths up to which a step uses the fused kernels (0: none; decode is width 1); the embedding
+        # gather folded into the first norm costs nothing extra at any width: every width when fusing
+        self.fuse = bool(fuse)
         self.fuse_rows = int(fuse_rows) if fuse else 0
         self.fuse_conv_rows = int(fuse_conv_rows) if fuse else 0
         self.device = dev = S.device
@@ -365,8 +367,8 @@ class CudaRunner:
     def _step(self, W: int, meta: _Meta, decode: bool) -> None:
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_fused as tf
-        from tandem_core.ops import triton_gdn as tg
         from tandem_core.ops import triton_fused_mm as fm
+        from tandem_core.ops import triton_gdn as tg
         from tandem_core.ops import triton_matmul as tm
 
         c, fw = self.cfg, self.fw
@@ -375,13 +377,13 @@ class CudaRunner:
         head = meta.d("head")
         n = head[1:2]
         x, h = self.x[:W], self.h[:W]
-        if fuse_act:
+        if self.fuse:
             fm.embed_rms_norm_1p(fw.embed, meta.ids[:W], x, fw.layers[0].in_norm, eps, h)
         else:
             torch.index_select(fw.embed, 0, meta.ids[:W], out=x)
         parts: torch.Tensor | None = None
         for i, ly in enumerate(fw.layers):
-            if i > 0 or not fuse_act:
+            if i > 0 or not self.fuse:
                 tf.add_rms_norm_1p(x, parts, ly.in_norm, eps, h)
             m, s = ly.mixer, self.slots[i]
             if isinstance(m, GdnW):
