@@ -199,34 +199,68 @@ def _build() -> dict[str, Any]:
                 tl.store(o_ptrs + BM * stride_om, acc1.to(tl.bfloat16), mask=m1_ok & n_ok[None, :])
 
     # -- conv_tree in the tree kernel's prologue -----------------------------------------------------------
+    # triton_fused.conv_tree_kernel's arithmetic, per channel, split in pieces so that a node's loads (its
+    # window, for the q head, the k head and the value columns at once) are all issued before its stores:
+    # y = x_0 w_0, y = y + x_k w_k (k < KW - 1), y = y + x_self w_{KW-1}; silu, rounded to bf16; over a q or k
+    # head (group g < QK_HEADS) divided by its L2 norm
     @triton.jit
-    def _conv_rows(raw_ptr, tail_ptr, w_ptr, win_ptr, out_ptr, i, g, c, ok, QK_HEADS, stride_raw, stride_out,
-                   eps, KW: tl.constexpr, BLOCK: tl.constexpr):
-        # triton_fused.conv_tree_kernel's body for node i on channels c of group g (BLOCK of them, ok the
-        # live ones): y = silu(sum_k w[c,k] x_k) over the node's window, rounded to bf16, L2-normalised over
-        # the block when g < QK_HEADS (a q or k head: the block is the whole head, as conv_tree's group)
-        xi = tl.load(raw_ptr + i * stride_raw + c, mask=ok, other=0.0)                      # bf16
-        y = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k in tl.static_range(KW - 1):
-            src = tl.load(win_ptr + i * (KW - 1) + k)
-            from_tail = src < KW - 1
-            row = tl.where(from_tail, 0, src - (KW - 1))
-            col = tl.where(from_tail, src, 0)
-            xt = tl.load(tail_ptr + c * (KW - 1) + col, mask=ok & from_tail, other=0.0).to(tl.float32)
-            xr = tl.load(raw_ptr + row * stride_raw + c, mask=ok & (src >= KW - 1), other=0.0).to(tl.float32)
-            x = tl.where(from_tail, xt, xr)
-            wk = tl.load(w_ptr + c * KW + k, mask=ok, other=0.0)
-            if k == 0:
-                y = x * wk
-            else:
-                y = y + x * wk
-        y = y + xi.to(tl.float32) * tl.load(w_ptr + c * KW + (KW - 1), mask=ok, other=0.0)
+    def _conv_x(raw_ptr, tail_ptr, c, ok, src, stride_raw, KW: tl.constexpr):
+        # x_k of channels c: the tail column src (src < KW-1) or the raw row src - (KW-1)
+        from_tail = src < KW - 1
+        row = tl.where(from_tail, 0, src - (KW - 1))
+        col = tl.where(from_tail, src, 0)
+        xt = tl.load(tail_ptr + c * (KW - 1) + col, mask=ok & from_tail, other=0.0).to(tl.float32)
+        xr = tl.load(raw_ptr + row * stride_raw + c, mask=ok & (src >= KW - 1), other=0.0).to(tl.float32)
+        return tl.where(from_tail, xt, xr)
+
+    @triton.jit
+    def _conv_end(y, xi, wl, ok, g, QK_HEADS, eps):
+        y = y + xi.to(tl.float32) * wl
         y = (y / (1.0 + tl.exp(-y))).to(tl.bfloat16).to(tl.float32)    # the reference rounds the conv output
         if g < QK_HEADS:
             y = y / tl.sqrt(tl.sum(tl.where(ok, y * y, 0.0), 0) + eps)
-        tl.store(out_ptr + i * stride_out + c, y, mask=ok)
+        return y
 
-    globals().update(_conv_rows=_conv_rows)
+    globals().update(_conv_x=_conv_x, _conv_end=_conv_end)
+
+    @triton.jit
+    def _conv_node(raw_ptr, tail_ptr, w_ptr, win_ptr, out_ptr, i, gq, gk, cq, ck, cv, q_ok, k_ok, v_ok,
+                   QK_HEADS, stride_raw, stride_out, eps, KW: tl.constexpr, CB: tl.constexpr,
+                   BV: tl.constexpr):
+        # node i: q head channels cq (group gq), k head channels ck (group gk), value channels cv
+        xiq = tl.load(raw_ptr + i * stride_raw + cq, mask=q_ok, other=0.0)                  # bf16
+        xik = tl.load(raw_ptr + i * stride_raw + ck, mask=k_ok, other=0.0)
+        xiv = tl.load(raw_ptr + i * stride_raw + cv, mask=v_ok, other=0.0)
+        yq = tl.zeros((CB,), dtype=tl.float32)
+        yk = tl.zeros((CB,), dtype=tl.float32)
+        yv = tl.zeros((BV,), dtype=tl.float32)
+        for k in tl.static_range(KW - 1):
+            src = tl.load(win_ptr + i * (KW - 1) + k)
+            xq = _conv_x(raw_ptr, tail_ptr, cq, q_ok, src, stride_raw, KW)
+            xk = _conv_x(raw_ptr, tail_ptr, ck, k_ok, src, stride_raw, KW)
+            xv = _conv_x(raw_ptr, tail_ptr, cv, v_ok, src, stride_raw, KW)
+            wq = tl.load(w_ptr + cq * KW + k, mask=q_ok, other=0.0)
+            wk = tl.load(w_ptr + ck * KW + k, mask=k_ok, other=0.0)
+            wv = tl.load(w_ptr + cv * KW + k, mask=v_ok, other=0.0)
+            if k == 0:
+                yq = xq * wq
+                yk = xk * wk
+                yv = xv * wv
+            else:
+                yq = yq + xq * wq
+                yk = yk + xk * wk
+                yv = yv + xv * wv
+        wlq = tl.load(w_ptr + cq * KW + (KW - 1), mask=q_ok, other=0.0)
+        wlk = tl.load(w_ptr + ck * KW + (KW - 1), mask=k_ok, other=0.0)
+        wlv = tl.load(w_ptr + cv * KW + (KW - 1), mask=v_ok, other=0.0)
+        yq = _conv_end(yq, xiq, wlq, q_ok, gq, QK_HEADS, eps)
+        yk = _conv_end(yk, xik, wlk, k_ok, gk, QK_HEADS, eps)
+        yv = _conv_end(yv, xiv, wlv, v_ok, QK_HEADS, QK_HEADS, eps)                     # no norm
+        tl.store(out_ptr + i * stride_out + cq, yq, mask=q_ok)
+        tl.store(out_ptr + i * stride_out + ck, yk, mask=k_ok)
+        tl.store(out_ptr + i * stride_out + cv, yv, mask=v_ok)
+
+    globals().update(_conv_node=_conv_node)
 
     @triton.jit(do_not_specialize=["write_out", "final_store"])
     def conv_tree_gdn_kernel(raw_ptr, tail_ptr, cw_ptr, win_ptr, C, QK_HEADS, stride_raw, conv_eps,
@@ -271,12 +305,9 @@ def _build() -> dict[str, Any]:
         cv = 2 * (HV // G) * DK + h * DV + vb * BV + tl.arange(0, BV)
         cv_ok = (vb * BV + tl.arange(0, BV) < DV) & (cv < C)
         for i in range(0, n):
-            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, hk, cq, c_ok & (cq < C), QK_HEADS,
-                       stride_raw, stride_qkv_r, conv_eps, KW, CB)
-            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, HV // G + hk, ck, c_ok & (ck < C),
-                       QK_HEADS, stride_raw, stride_qkv_r, conv_eps, KW, CB)
-            _conv_rows(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, QK_HEADS, cv, cv_ok, QK_HEADS,
-                       stride_raw, stride_qkv_r, conv_eps, KW, BV)
+            _conv_node(raw_ptr, tail_ptr, cw_ptr, win_ptr, qkv_l, i, hk, HV // G + hk, cq, ck, cv,
+                       c_ok & (cq < C), c_ok & (ck < C), cv_ok, QK_HEADS, stride_raw, stride_qkv_r, conv_eps,
+                       KW, CB, BV)
         tl.debug_barrier()          # the rows read below were written by this CTA's threads
         # -- triton_gdn.tree_kernel's body
         q_col = hk * DK + offs_k
