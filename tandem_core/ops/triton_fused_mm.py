@@ -1,7 +1,7 @@
 """Small kernels of the decode/verify step folded into their neighbours (Triton), bit for bit.
 
 A CUDA graph step of the 27B is some 650 launches; each small kernel costs its own time
-plus about a microsecond of dependency latency before the next one starts. Two of them
+plus about a microsecond of dependency latency before the next one starts. Three of them
 fold into their neighbour here without changing a single bit of what the step computes:
 
 - ``silu_mul_matmul(gu, w, plan)``: ``skinny_matmul(silu_mul(gu), w, plan)``, the MLP's
@@ -14,16 +14,16 @@ fold into their neighbour here without changing a single bit of what the step co
   widens with the rows (``CudaRunner``'s ``fuse_rows`` keeps wide verifies on the pair).
 - ``conv_gdn_tree(...)``: ``conv_tree`` then ``gdn_tree`` of one layer in one launch. Each
   tree program (value head ``h``, ``BV`` value columns) first runs ``conv_tree``'s
-  per-(node, channel group) code for the groups it reads: the q and k heads of its key
-  head (``h // G``; conv, silu, bf16 rounding, L2 norm over the head, exactly
-  ``conv_tree``'s 1-D code at its block size) and its own ``BV`` value channels (conv,
-  silu, rounding: no norm, so any subset of a group is exact), stores them where
-  ``conv_tree`` stores them (``qkv``, which the commit replays later), waits for its CTA
+  arithmetic, node by node, for the channels it reads: the q and k heads of its key head
+  (``h // G``; conv, silu, bf16 rounding, L2 norm over the head, ``conv_tree``'s 1-D code at
+  its block size and warp count) and its own ``BV`` value channels (conv, silu, rounding: no
+  norm, so any subset of a group is exact), a node's loads all before its stores. It stores
+  them where ``conv_tree`` does (``qkv``, which the commit replays later), waits for its CTA
   (the rows it reads back were written by its own threads; programs sharing a key head
   write the same values) and then runs ``tree_kernel``'s recurrence unchanged. The
   prologue walks the nodes one after another, so it pays at decode (one node) and costs
-  at wide verifies (``CudaRunner``'s ``fuse_conv_rows``).
-
+  at wide verifies (``CudaRunner``'s ``fuse_conv_rows``). With ``TREE_WARPS != 1`` the
+  launcher runs the pair (the q/k norm's sum order is ``conv_tree``'s only at one warp).
 - ``embed_rms_norm_1p(embed, ids, x, w, eps, out)``: the step's embedding gather
   (``index_select`` into the residual rows) and the first layer's input norm
   (``add_rms_norm_1p`` without parts) in one launch: ``add_norm``'s kernel whose row is loaded
@@ -474,8 +474,8 @@ def conv_gdn_tree(raw: torch.Tensor, tail: torch.Tensor, conv_w: torch.Tensor, w
 
 def embed_rms_norm_1p(embed: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float,
                       out: torch.Tensor) -> torch.Tensor:
-    """``torch.index_select(embed, 0, ids, out=x)`` then ``triton_fused.add_rms_norm_1p(x, None, w, eps, out)``
-    in one launch, bit for bit: ``embed: [V, H]`` bf16 rows, ``ids: [R]`` integer, ``x, out: [R, H]`` bf16 (unit
+    """``torch.index_select(embed, 0, ids, out=x)`` then ``add_rms_norm_1p(x, None, w, eps, out)`` in one
+    launch, bit for bit: ``embed: [V, H]`` bf16 rows, ``ids: [R]`` integer, ``x, out: [R, H]`` bf16 (unit
     column stride; ``x`` gets the embedding rows), ``w: [H]`` fp32 zero-centred."""
     R, H = x.shape
     if embed.shape[1] != H or out.shape != x.shape or ids.shape != (R,):
