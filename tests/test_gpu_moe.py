@@ -110,3 +110,126 @@ def test_rows_past_live_run_no_expert():
     live = torch.tensor([10], dtype=torch.int32, device="cuda")
     part = tm.grouped_experts(x, experts, weights, gu, dn, live=live)
     assert torch.equal(part[:10], full[:10]) and not part[10:].any()
+
+
+# -- route_plan: the router's top-k and the experts' plan in one program, from the router matmul's partials ----
+def _plan_reference(experts: torch.Tensor, live: int, BT: int, maxb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan kernel's contract in torch: the live pairs ``t * k + slot`` sorted by expert (stable), and blocks of
+    at most ``BT`` pairs of one expert, ``(expert or -1, first sorted pair, pairs)`` a column."""
+    flat = experts[:live].reshape(-1).long().cpu()
+    order = torch.sort(flat, stable=True).indices
+    table = torch.zeros(3, maxb, dtype=torch.int32)
+    table[0] = -1
+    b = 0
+    for e in torch.unique(flat).tolist():
+        idx = (flat[order] == e).nonzero().reshape(-1)
+        for j in range(0, len(idx), BT):
+            table[:, b] = torch.tensor([e, int(idx[0]) + j, min(BT, len(idx) - j)])
+            b += 1
+    return order.int(), table
+
+
+@pytest.mark.parametrize("E,k,H", [(64, 4, 2048), (32, 4, 2048), (6, 3, 200)], ids=["E64-k4", "E32-k4", "E6-k3"])
+@pytest.mark.parametrize("T", [1, 3, 16, 64, 128])
+def test_route_plan_from_partials_equals_route_and_the_plan(T, E, k, H):
+    from tandem_core.ops import moe
+    from tandem_core.ops import triton_matmul as tmm
+    from tandem_core.ops import triton_moe as tm
+
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    router = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05
+    # the LFM step's router plan: K cut in one-step parts (16 at H = 2048), fp32 partials [S, T, E]
+    plan = tmm.MatmulPlan(64, 128, max(1, H // 128), 4, 3, "wy")
+    parts = tmm.skinny_matmul(x, router, plan)
+    logits = tmm.reduce_parts(parts).bfloat16() if parts.dim() == 3 else parts
+    mp = tm.MoePlan()
+    for live_n in sorted({T, max(1, T - 3)}):
+        live = torch.tensor([live_n], dtype=torch.int32, device="cuda")
+        r = tm.route_plan(parts, bias, k, mp, renorm=True, scale=2.5, live=live)
+        want_e, want_w = moe.route(logits, bias, k, "sigmoid", renorm=True, scale=2.5)
+        assert torch.equal(r.experts.long(), want_e)
+        assert float((r.weights - want_w).abs().max()) < 1e-5
+        srt, table = _plan_reference(r.experts, live_n, mp.BT, tm.max_blocks(T * k, E, mp.BT))
+        assert torch.equal(r.sorted[: live_n * k].cpu(), srt) and torch.equal(r.table.cpu(), table)
+        # the bf16 logits give the same bits as their partials (the sorted pairs past the live ones are not written)
+        r2 = tm.route_plan(logits, bias, k, mp, renorm=True, scale=2.5, live=live)
+        assert torch.equal(r.experts, r2.experts) and torch.equal(r.weights, r2.weights)
+        assert torch.equal(r.sorted[: live_n * k], r2.sorted[: live_n * k]) and torch.equal(r.table, r2.table)
+    for t in sorted({0, T // 2, T - 1}):                 # a row alone routes with the same bits
+        one = tm.route_plan(tmm.skinny_matmul(x[t:t + 1], router, plan), bias, k, mp, renorm=True, scale=2.5)
+        assert torch.equal(one.experts[0], r.experts[t]) and torch.equal(one.weights[0], r.weights[t])
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 64])
+def test_grouped_experts_on_route_plans_blocks_equals_the_plan_kernel(T):
+    from tandem_core.ops import triton_moe as tm
+
+    E, I, H, k = 64, 1536, 2048, 4
+    x, _, _, gu, dn = _case(T, E, I, H, k, seed=T)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    logits = torch.randn(T, E, device="cuda", generator=g).bfloat16()
+    logits[: T // 2] = logits[0]                       # rows sharing their experts: blocks of several rows
+    live = torch.tensor([max(1, T - 1)], dtype=torch.int32, device="cuda")
+    plan = tm.plan_for(E, I, H)
+    r = tm.route_plan(logits, None, k, plan, live=live)
+    y = tm.grouped_experts(x, r.experts, r.weights, gu, dn, plan=plan, live=live, blocks=r)
+    want = tm.grouped_experts(x, r.experts, r.weights, gu, dn, plan=plan, live=live)
+    assert torch.equal(y, want)
+    with pytest.raises(ValueError, match="blocks"):
+        tm.grouped_experts(x, r.experts, r.weights, gu, dn, plan=tm.MoePlan(BT=32), live=live, blocks=r)
+
+
+def test_route_plan_replays_in_a_cuda_graph():
+    from tandem_core.ops import triton_moe as tm
+
+    E, I, H, k, T = 64, 1536, 2048, 4, 16
+    x, _, _, gu, dn = _case(T, E, I, H, k, seed=7)
+    lg = torch.zeros(8, T, E, device="cuda")
+    live = torch.tensor([T], dtype=torch.int32, device="cuda")
+    plan = tm.plan_for(E, I, H)
+
+    def step():
+        r = tm.route_plan(lg, None, k, plan, live=live)
+        return tm.grouped_experts(x, r.experts, r.weights, gu, dn, plan=plan, live=live, blocks=r)
+
+    step()                                             # builds the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = step()
+    for seed in (8, 9):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        lg.copy_(torch.randn(8, T, E, device="cuda", generator=g))
+        live.fill_(T - seed + 7)
+        graph.replay()
+        assert torch.equal(ys, step())
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 64])
+def test_combine_add_norm_equals_the_combine_then_the_add_norm(T):
+    from tandem_core.ops import triton_fused as tf
+    from tandem_core.ops import triton_moe as tm
+
+    E, I, H, k = 64, 1536, 2048, 4
+    x, experts, weights, gu, dn = _case(T, E, I, H, k, seed=20 + T)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    res = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    nw = torch.randn(H, device="cuda", generator=g) * 0.1
+    live = torch.tensor([max(1, T - 1)], dtype=torch.int32, device="cuda")
+    y = tm.grouped_experts(x, experts.int(), weights, gu, dn, live=live)
+    xa, ha = res.clone(), torch.empty_like(res)
+    tf.add_rms_norm_1p(xa, y, nw, 1e-5, ha)
+    d = tm.grouped_experts(x, experts.int(), weights, gu, dn, live=live, combine=False)
+    assert d.shape == (T * k, H)
+    xb, hb = res.clone(), torch.empty_like(res)
+    tm.combine_add_norm(d, experts.int(), weights, xb, nw, 1e-5, hb, live=live)
+    # the same arithmetic in one program: equal but for a contraction the compiler may choose differently
+    assert rel(xb, xa) < 1e-3 and rel(hb, ha) < 1e-3
+    assert torch.equal(xb[live.item():], res[live.item():])          # rows past live add nothing
+    for t in sorted({0, T - 1}):                                     # a row alone gives the same bits
+        d1 = tm.grouped_experts(x[t:t + 1], experts[t:t + 1].int(), weights[t:t + 1], gu, dn, combine=False)
+        x1, h1 = res[t:t + 1].clone(), torch.empty_like(res[:1])
+        tm.combine_add_norm(d1, experts[t:t + 1].int(), weights[t:t + 1], x1, nw, 1e-5, h1)
+        if t < live.item():
+            assert torch.equal(x1[0], xb[t]) and torch.equal(h1[0], hb[t])

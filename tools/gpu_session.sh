@@ -8,6 +8,8 @@
 #   engine   tools/bench_gpu.py engine with the shipped defaults (no tuning)
 #   lfm25    the LFM2 GPU tests (triton_moe, LfmCudaRunner, tandem serve on CUDA), then tools/bench_lfm25_gpu.py
 #            at the 24B-A2B and 8B-A1B-like shapes against transformers (budget LFM25_BUDGET, default 240 s)
+#   lfmfuse  the fused LFM2 step's GPU tests (route_plan, combine_add_norm, the partials' consumers, verify =
+#            decode at the 24B-A2B widths), then the lfm25 part (profile it apart: PROFILE_TARGETS=lfm24,lfm8)
 #   mtp      the graphed MTP head's GPU tests (test_qwen38_mtp_gpu.py), then tools/bench_mtp.py at the 27B shape,
 #            graphs against eager, depths 1..4, within MTP_BUDGET seconds (default 150); $OUT/mtp.md, mtp.log
 #   profile  tools/profile_gpu.py: the decode and verify steps kernel by kernel (PROFILE_TARGETS, default
@@ -63,6 +65,23 @@ lfm25() {
     timeout $(( ${LFM25_BUDGET:-240} + 60 )) python3 tools/bench_lfm25_gpu.py --out "$OUT/lfm25" \
         --budget ${LFM25_BUDGET:-240} ${LFM25_ARGS:-} 2>&1 | tee "$OUT/lfm25-bench.log" | tail -40
     cp "$OUT/lfm25/lfm25.md" "$OUT/lfm25/lfm25.json" "$OUT/" 2>/dev/null
+}
+
+lfmfuse() {
+    # the fused LFM2 step (router partials into route_plan, K-split projections added in their consumers): its
+    # kernel tests first (~2 min), then the lfm25 part without them (every other LFM2 GPU test, the benchmark); the
+    # profile is its own call (PROFILE_TARGETS=lfm24,lfm8 tools/gpu_session.sh setup profile): one call's 10 min
+    local new=(tests/test_gpu_moe.py::test_route_plan_from_partials_equals_route_and_the_plan
+               tests/test_gpu_moe.py::test_grouped_experts_on_route_plans_blocks_equals_the_plan_kernel
+               tests/test_gpu_moe.py::test_route_plan_replays_in_a_cuda_graph
+               tests/test_gpu_moe.py::test_combine_add_norm_equals_the_combine_then_the_add_norm
+               plugins/lfm25/tests/test_lfm25_gpu.py::test_the_partials_consumers_equal_them_reduced
+               plugins/lfm25/tests/test_lfm25_gpu.py::test_wide_verify_rows_are_the_decode_rows_and_the_self_check_passes
+               plugins/lfm25/tests/test_lfm25_gpu.py::test_wide_logits_track_the_fp32_reference_runner)
+    timeout 300 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" "${new[@]}" 2>&1 \
+        | tee "$OUT/lfmfuse-tests.log" | tail -30
+    LFM25_TESTS="tests/test_gpu_moe.py plugins/lfm25/tests/test_lfm25_gpu.py $(printf -- '--deselect=%s ' "${new[@]}")" \
+        lfm25
 }
 
 mtp() {

@@ -178,9 +178,26 @@ def _build() -> dict[str, Any]:
             tl.store(tail + c * (KW - 1) + j, tl.where(from_tail, xt, xr), mask=ok)
 
     @triton.jit
+    def _raw_f32(ptrs, stride_s, mask, NP: tl.constexpr):
+        # projection values in fp32: the bf16 row (NP 0), or NP fp32 partials added in index order and rounded
+        # to bf16 (the bits of bf16(reduce_parts))
+        if NP == 0:
+            v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            v = tl.load(ptrs, mask=mask, other=0.0)
+            for s in tl.static_range(1, NP):
+                v += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
+            v = v.to(tl.bfloat16).to(tl.float32)
+        return v
+
+    globals().update(_raw_f32=_raw_f32)
+
+    @triton.jit
     def qk_post_kernel(raw_ptr, qn_ptr, kn_ptr, freq_ptr, pos_ptr, meta_ptr, q_out_ptr, K_ptr, V_ptr,
                        stride_raw, stride_qo_r, stride_kh, stride_ks, HQ, HKV, eps,
-                       D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, QS: tl.constexpr, PDL: tl.constexpr):
+                       D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, QS: tl.constexpr, PDL: tl.constexpr,
+                       stride_s=0, NP: tl.constexpr = 0):
+        # NP > 0: raw is NP fp32 partials [NP, rows, ...] (stride_s apart), added in index order, rounded to bf16
         pdl_wait(PDL)
         # one (row j, head): heads 0..HQ-1 queries, HQ..HQ+HKV-1 keys, then HKV values.
         # raw row (QS = 2, gated): [q_0 | gate_0 | q_1 | gate_1 | ... | k (HKV*D) | v (HKV*D)];
@@ -196,9 +213,9 @@ def _build() -> dict[str, Any]:
             if h < HQ + HKV:
                 is_q = h < HQ
                 base = tl.where(is_q, h * QS * D, HQ * QS * D + (h - HQ) * D)
-                x = tl.load(raw_ptr + j * stride_raw + base + offs, mask=ok, other=0.0).to(tl.float32)
+                x = _raw_f32(raw_ptr + j * stride_raw + base + offs, stride_s, ok, NP)
                 partner = tl.where(offs < R // 2, offs + R // 2, tl.where(offs < R, offs - R // 2, offs))
-                xp = tl.load(raw_ptr + j * stride_raw + base + partner, mask=ok, other=0.0).to(tl.float32)
+                xp = _raw_f32(raw_ptr + j * stride_raw + base + partner, stride_s, ok, NP)
                 if is_q:
                     w = tl.load(qn_ptr + offs, mask=ok, other=0.0)
                     wp = tl.load(qn_ptr + partner, mask=ok, other=0.0)
@@ -219,7 +236,11 @@ def _build() -> dict[str, Any]:
                     tl.store(K_ptr + (h - HQ) * stride_kh + slot * stride_ks + offs, y, mask=ok)
             else:
                 hv = h - HQ - HKV
-                v = tl.load(raw_ptr + j * stride_raw + HQ * QS * D + HKV * D + hv * D + offs, mask=ok, other=0.0)
+                v_ptrs = raw_ptr + j * stride_raw + HQ * QS * D + HKV * D + hv * D + offs
+                if NP == 0:
+                    v = tl.load(v_ptrs, mask=ok, other=0.0)
+                else:
+                    v = _raw_f32(v_ptrs, stride_s, ok, NP).to(tl.bfloat16)
                 tl.store(V_ptr + hv * stride_kh + slot * stride_ks + offs, v, mask=ok)
 
     @triton.jit
@@ -336,11 +357,18 @@ def qk_post(raw: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, freqs
     cache ``K, V: [Hkv, S, D]`` at slot ``meta[0] + j``. ``pos: [rows]`` int32 positions; ``freqs: [R/2]``.
     ``gated``: each query head is followed by its output gate in ``raw`` (Qwen's gated attention); else the
     query heads are side by side (Llama, LFM2). The norm is ``x / rms(x) * (1 + w)``: a plain weight is passed as
-    ``w - 1``."""
-    kernels()["qk_post"][(rows, hq + 2 * hkv)](raw, q_norm, k_norm, freqs, pos, meta, q_out, K, V, raw.stride(0),
+    ``w - 1``. ``raw`` may also be the projection's fp32 partials ``[S, rows, ...]`` (K cut in ``S`` parts): added
+    in index order and rounded to bf16 where they are read, the bits of ``bf16(reduce_parts(raw))``."""
+    extra: dict[str, Any] = {"stride_s": 0, "NP": 0}
+    if raw.dim() == 3:
+        if raw.dtype != torch.float32:
+            raise ValueError(f"qk_post: partials [S, rows, N] must be fp32, got {raw.dtype}")
+        extra = {"stride_s": raw.stride(0), "NP": int(raw.shape[0])}
+    stride_raw = raw.stride(-2)
+    kernels()["qk_post"][(rows, hq + 2 * hkv)](raw, q_norm, k_norm, freqs, pos, meta, q_out, K, V, stride_raw,
                                                q_out.stride(0), K.stride(0), K.stride(1), hq, hkv, float(eps),
                                                D=head_dim, R=rotary_dim, BLOCK=next_pow2(head_dim), QS=2 if gated else 1,
-                                               num_warps=2, **pdl.launch_kw())
+                                               num_warps=2, **extra, **pdl.launch_kw())
 
 
 def kv_commit(K: torch.Tensor, V: torch.Tensor, meta: torch.Tensor, path: torch.Tensor, d: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ One step (read top-down; the reference runner's arithmetic, each matmul through 
                             d = out(tree_attention(q; L, pos, anc))
                 x, h = x + d, rms_norm(x + d)
                 dense:      d = w2(silu(w1 h) * w3 h)
-                MoE:        experts, weights = top-k(sigmoid(router h) + bias) (triton_moe.route)
+                MoE:        experts, weights = top-k(sigmoid(router h) + bias) (triton_moe.route_plan)
                             d = grouped_experts(h, experts, weights)               (triton_moe)
                 x, h = x + d, rms_norm(x + d)
     logits = head(h)
@@ -45,6 +45,12 @@ its output by ``sigmoid(gate)`` (Qwen's gated attention), and this runner hands 
 ``GATE_ONE``, whose sigmoid is exactly 1.0 in fp32 and bf16. Elsewhere (the CPU, ``graphs=False``)
 every piece is the same contract in torch: the reference ops, each node's keys gathered by position
 and its conv window by index.
+
+The projections of few column tiles (the router, ``in_proj``, ``out_proj``, ``q | k | v``, ``o``, ``w2``) take
+``step_plan``: K cut in parts until the grid fills the device, each part an fp32 partial, and the next kernel adds
+the partials in index order where it reads them (the add-norm, the gated conv, ``qk_post``, and
+``triton_moe.route_plan``, which routes and builds the experts' plan in one program); the MoE layer's combine
+runs inside the add-norm after it (``triton_moe.combine_add_norm``). Nothing between them reduces in torch.
 
 Row invariance: every op computes each row alone, with a kernel configuration that depends on the
 weight shapes only, so row ``i`` of a verify of width ``W`` equals the decode row at its position
@@ -66,13 +72,13 @@ import importlib.util
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, Step, TreeStep, tensor_bytes
-from tandem_core.engine.runner import widths_up_to
+from tandem_core.engine.runner import graph_capture, widths_up_to
 from tandem_core.ops import moe as _core_moe
 from tandem_core.ops import rope as _rope
 from tandem_lfm25 import moe as _moe
@@ -80,8 +86,8 @@ from tandem_lfm25.config import Lfm2Config
 from tandem_lfm25.model import Kept, Lfm2Runner
 from tandem_lfm25.weights import AttentionWeights, ConvWeights, Lfm2Weights, MLPWeights, MoEWeights
 
-__all__ = ["GATE_ONE", "WIDTHS", "LfmCudaRunner", "conv_windows", "runner_widths", "slots_of", "tree_tables",
-           "unsupported"]
+__all__ = ["GATE_ONE", "SMS", "WIDTHS", "LfmCudaRunner", "conv_windows", "runner_widths", "slots_of", "step_plan",
+           "tree_tables", "unsupported"]
 
 WIDTHS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 GATE_ONE = 100.0   # sigmoid(100) = 1 / (1 + 3.7e-44) rounds to 1.0 in fp32: the kernel's gate is the identity
@@ -121,6 +127,32 @@ def slots_of(L: int, anc: Sequence[int]) -> list[int]:
     """The cache slots a node with path ``anc`` (root first, itself last) reads on top of ``L`` committed
     tokens, in position order: ``0 .. L-1``, then ``L + anc[d]`` for every depth."""
     return [*range(L), *(L + a for a in anc)]
+
+
+SMS = 132   # H200 multiprocessors: only ``step_plan``'s split reads it (a constant: a plan never depends on the run)
+
+
+def step_plan(N: int, K: int) -> Any:
+    """The decode and verify step's plan for a weight ``[N, K]`` whose consumer adds the fp32 partials itself:
+    ``triton_matmul.plan_for(N, K)`` (its tiles, K step, warps, stages and layout: the same ``tl.dot`` shapes,
+    whose row invariance the device checks) with K cut in more parts, doubling while the grid of column tiles
+    times parts stays within three programs a multiprocessor (what fits at once: ~60 KB of shared memory a
+    program at one row) and each part keeps at least one K step.
+
+    A weight of few column tiles otherwise leaves most of the device idle: measured on the H200 (profile of the
+    24B-A2B decode step), the router ``64 x 2048`` ran as one program (7.5 us for 256 KB), ``out_proj 2048 x
+    2048`` as 32 (8.4 us for 8 MB, a quarter of the bandwidth). Here: the router 16 parts (16 programs of one
+    step), ``2048 x 2048`` 8 (256 programs of two), ``in_proj 6144 x 2048`` 4 (384 of four), the fused
+    ``q | k | v 3072 x 2048`` 8 (384), ``w2 2048 x 7168`` 8 (256 of seven); the LM head (1024 tiles) is not cut."""
+    from tandem_core.ops import triton_matmul as tm
+
+    p = tm.plan_for(N, K)
+    tiles = -(-N // p.BN)
+    steps = -(-K // p.BK)
+    split = max(1, p.split)
+    while tiles * split * 2 <= 3 * SMS and split * 2 <= steps:
+        split *= 2
+    return dataclasses.replace(p, split=split)
 
 
 def _norms(weights: Lfm2Weights) -> list[torch.Tensor]:
@@ -225,6 +257,17 @@ class _Meta:
         self.L, self.count, self.anc_host, self.win_host, self.advance = L, n, anc, win, bool(advance)
 
 
+class _Pairs(NamedTuple):
+    """A MoE layer's output before its combine (CUDA): each (row, slot) pair's expert output ``d [W * k, H]`` bf16,
+    the rows' experts and weights ``[W, k]``, the live rows; the add-norm after it combines them
+    (``triton_moe.combine_add_norm``)."""
+
+    d: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+    live: torch.Tensor
+
+
 @dataclasses.dataclass
 class _Out:
     """What one step leaves: hidden rows after the final norm, fp32 logits, taps (the graph's pool's tensors)."""
@@ -277,6 +320,7 @@ class LfmCudaRunner(Lfm2Runner):
             self._gate = torch.full((widths[-1], 2 * hq * D), GATE_ONE, dtype=act, device=dev)
         self.graphs: dict[int, Any] = {}
         self._outs: dict[int, _Out] = {}
+        self._plans: dict[tuple[int, int, bool], Any] = {}          # (N, K, parts) -> MatmulPlan, fixed at first use
         self._tree_L, self._tree_W = 0, 0
         self._tree_parents: tuple[int, ...] = ()
         self.spec = dataclasses.replace(self.spec, max_context=int(max_context),
@@ -386,28 +430,52 @@ class LfmCudaRunner(Lfm2Runner):
             capture.append(("final norm", h[:n].clone()))
         return _Out(h, self._lin(w.head, h).float(), taps)
 
-    def _lin(self, lin: Any, x: torch.Tensor) -> torch.Tensor:
+    def _lin(self, lin: Any, x: torch.Tensor, parts: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """``linear_rows(lin, x)`` (``lin``: a ``Linear``, or a bf16 weight tensor on CUDA). On CUDA the skinny
-        matmul straight into its own output (``cuda_backend.linear_rows`` without its copy: the same kernel and
-        plan, so the same bits; fp32 partials, where the plan cuts K, added in index order)."""
+        matmul straight into its own output (or ``out``, a ``[W, N]`` view with a unit column stride); where the
+        plan cuts K, its fp32 partials added in index order and rounded to bf16 (``reduce_parts``).
+
+        ``parts`` (the consumer adds the partials itself, in index order, inside its own kernel: the add-norm, the
+        gated conv, ``qk_post``, ``route_plan``): the weight's step plan (``step_plan``: K cut until the grid
+        fills the device) and the partials ``[S, W, N]`` fp32 returned as they are (``[W, N]`` bf16 where K is
+        not cut). Either way the plan is a function of the weight shape and the call site only."""
         if not self._triton:
-            return self._ops["linear_rows"](lin, x)
+            y = self._ops["linear_rows"](lin, x)
+            return y if out is None else out.copy_(y)
         from tandem_core.ops import triton_matmul as tm
 
         wt = lin if isinstance(lin, torch.Tensor) else lin.weight
-        piece = tm.skinny_matmul(x if x.stride(1) == 1 else x.contiguous(), wt,
-                                 tm.plan_for(int(wt.shape[0]), int(wt.shape[1])))
-        return tm.reduce_parts(piece).to(x.dtype) if piece.dim() == 3 else piece
+        N, K = int(wt.shape[0]), int(wt.shape[1])
+        plan = self._plans.get((N, K, parts))
+        if plan is None:
+            plan = self._plans[(N, K, parts)] = step_plan(N, K) if parts else tm.plan_for(N, K)
+        xx = x if x.stride(1) == 1 else x.contiguous()
+        whole = plan.k_split(K) >= K
+        piece = tm.skinny_matmul(xx, wt, plan, out=out if whole and not parts else None)
+        if piece.dim() == 3 and not parts:
+            piece = tm.reduce_parts(piece).to(x.dtype)
+        if out is not None and piece.data_ptr() != out.data_ptr():
+            out.copy_(piece)
+            return out
+        return piece
 
-    def _add_norm(self, x: torch.Tensor, d: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(self, x: torch.Tensor, d: torch.Tensor | _Pairs | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``x + d`` (``d`` None: ``x``) and its RMS norm by norm ``k`` (``_norms``' order; past the last layer's
-        FFN norm, the final norm). On CUDA one Triton program a row, ``x`` updated in place."""
+        FFN norm, the final norm). On CUDA one Triton program a row, ``x`` updated in place; ``d`` may be a
+        matmul's fp32 partials ``[S, W, H]`` (added in index order and rounded to bf16 in the same program: the bits
+        of ``bf16(reduce_parts(d))``), or a MoE layer's ``_Pairs`` (combined in the same program: the combine
+        kernel's arithmetic, then the add-norm's)."""
         if self._triton:
             from tandem_core.ops import triton_fused as tf
+            from tandem_core.ops import triton_moe as tm
 
             h = torch.empty_like(x)
-            tf.add_rms_norm_1p(x, d, self._norm_w[k], self.cfg.norm_eps, h)
+            if isinstance(d, _Pairs):
+                tm.combine_add_norm(d.d, d.experts, d.weights, x, self._norm_w[k], self.cfg.norm_eps, h, live=d.live)
+            else:
+                tf.add_rms_norm_1p(x, d, self._norm_w[k], self.cfg.norm_eps, h)
             return x, h
+        assert not isinstance(d, _Pairs)
         if d is not None:
             x = x + d
         return x, self._ops["rms_norm"](x, self._norm_w[k], self.cfg.norm_eps)
@@ -415,7 +483,7 @@ class LfmCudaRunner(Lfm2Runner):
     def _conv_step(self, h: torch.Tensor, w: ConvWeights, slot: int, m: _Meta) -> torch.Tensor:
         # h: [W, H] -> [W, H]: out_proj(C * conv(B * X)), each node over its window; decode moves the tail on
         H, W = self.cfg.hidden_size, m.W
-        bcx = self._lin(w.in_proj, h)                                          # bcx: [W, 3H]
+        bcx = self._lin(w.in_proj, h, parts=True)                              # bcx: [W, 3H] or [S, W, 3H]
         keep = self._keep[slot, :W]
         if self._triton:
             from tandem_lfm25 import triton_conv
@@ -423,7 +491,7 @@ class LfmCudaRunner(Lfm2Runner):
             o = torch.empty(W, H, dtype=h.dtype, device=h.device)
             triton_conv.gated_conv(bcx, self._conv[slot], w.conv, m.win, m.n, keep, o,
                                    advance=m.adv if W == 1 else None)
-            return self._lin(w.out_proj, o)
+            return self._lin(w.out_proj, o, parts=True)                        # [S, W, H] into the add-norm
         b, c, xx = bcx[:, :H], bcx[:, H:2 * H], bcx[:, 2 * H:]
         bx = b * xx                                                            # bx: [W, H] the conv inputs
         keep.copy_(bx)
@@ -452,14 +520,14 @@ class LfmCudaRunner(Lfm2Runner):
             from tandem_core.ops import triton_attention as ta
             from tandem_core.ops import triton_fused as tf
 
-            raw = self._lin(self._qkv[slot], h)                                # raw: [W, (Hq + 2 Hkv) D]
+            raw = self._lin(self._qkv[slot], h, parts=True)                    # raw: [(S,) W, (Hq + 2 Hkv) D]
             q = torch.empty(W, hq * D, dtype=h.dtype, device=h.device)
             tf.qk_post(raw, self._qk_w[2 * slot], self._qk_w[2 * slot + 1], self._inv_freq, m.pos32, m.head, q, Kc,
                        Vc, hq, hkv, D, D, cfg.norm_eps, W, gated=False)
             o = torch.empty(W, hq * D, dtype=h.dtype, device=h.device)
             ta.tree_attention(q, self._gate[:W], Kc, Vc, m.head, m.pos32, m.anc, self._scratch, o, hq=hq, hkv=hkv,
                               head_dim=D, scale=scale, rows=W)
-            return self._lin(w.o, o)
+            return self._lin(w.o, o, parts=True)
         assert cos_sin is not None
         cos, sin = cos_sin
         op = self._ops
@@ -483,21 +551,29 @@ class LfmCudaRunner(Lfm2Runner):
         if self._triton:
             from tandem_core.ops import triton_fused as tf
 
-            gu = torch.cat([self._lin(w.w1, h), self._lin(w.w3, h)], dim=1)   # [W, 2I]
-            a = tf.silu_mul(gu, torch.empty(h.shape[0], w.w1.shape[0], dtype=h.dtype, device=h.device))
-            return self._lin(w.w2, a)
+            I = int(w.w1.shape[0])
+            gu = torch.empty(h.shape[0], 2 * I, dtype=h.dtype, device=h.device)  # [W, 2I]: gate | up, in place
+            self._lin(w.w1, h, out=gu[:, :I])
+            self._lin(w.w3, h, out=gu[:, I:])
+            a = tf.silu_mul(gu, torch.empty(h.shape[0], I, dtype=h.dtype, device=h.device))
+            return self._lin(w.w2, a, parts=True)
         return self._lin(w.w2, self._ops["silu"](self._lin(w.w1, h)).to(self.act_dtype) * self._lin(w.w3, h))
 
-    def _moe_step(self, h: torch.Tensor, w: MoEWeights, m: _Meta) -> torch.Tensor:
+    def _moe_step(self, h: torch.Tensor, w: MoEWeights, m: _Meta) -> torch.Tensor | _Pairs:
         # h: [W, H] -> [W, H]: the experts the nodes chose, each once over the nodes that chose it
         cfg = self.cfg
-        logits = self._lin(w.router, h)                                        # [W, E]
         if self._triton:
             from tandem_core.ops import triton_moe as tm
 
-            experts, weights = tm.route(logits, w.expert_bias, cfg.num_experts_per_tok, "sigmoid",
-                                        cfg.norm_topk_prob, cfg.routed_scaling_factor)
-            return tm.grouped_experts(h, experts, weights, w.gate_up_all, w.down_all, live=m.n)
+            logits = self._lin(w.router, h, parts=True)                        # [S, W, E] fp32 (or [W, E])
+            E, I2, H = w.gate_up_all.shape
+            plan = tm.plan_for(int(E), int(I2) // 2, int(H))
+            r = tm.route_plan(logits, w.expert_bias, cfg.num_experts_per_tok, plan, cfg.norm_topk_prob,
+                              cfg.routed_scaling_factor, live=m.n)
+            d = tm.grouped_experts(h, r.experts, r.weights, w.gate_up_all, w.down_all, plan=plan, live=m.n,
+                                   blocks=r, combine=False)                # d: [W * k, H], combined next
+            return _Pairs(d, r.experts, r.weights, m.n)
+        logits = self._lin(w.router, h)                                        # [W, E]
         n = m.count
         routes = _moe.route(logits[:n], w.expert_bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                             cfg.routed_scaling_factor, self._ops["sigmoid"])
@@ -559,7 +635,7 @@ class LfmCudaRunner(Lfm2Runner):
                 self._step(W)
                 g = torch.cuda.CUDAGraph()
                 # thread-local: a recapture (``tap``) may run while a sibling engine computes on another thread
-                with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
+                with graph_capture(g, stream, capture_error_mode="thread_local"):
                     self._outs[W] = self._step(W)
                 self.graphs[W] = g
             self._conv.copy_(tails)

@@ -1,6 +1,7 @@
 """LFM2's gated short convolution over a token tree on CUDA (Triton), row-invariant.
 
     gated_conv(bcx, tail, weight, win, n, keep, out, advance)      advance: a device flag, or None
+                                                                   bcx: [rows, 3H] bf16, or [S, rows, 3H] fp32 parts
 
 For each node ``i < n[0]`` of a call of ``rows`` nodes, one program per (node, channel block)::
 
@@ -41,10 +42,25 @@ def _build() -> dict[str, Any]:
     triton = pdl.bind(globals())
 
     @triton.jit
+    def _bcx(ptrs, stride_s, mask, NP: tl.constexpr):
+        # in_proj values in fp32: the bf16 row (NP 0), or NP fp32 partials added in index order and rounded to
+        # bf16 (the bits of bf16(reduce_parts))
+        if NP == 0:
+            v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            v = tl.load(ptrs, mask=mask, other=0.0)
+            for s in tl.static_range(1, NP):
+                v += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
+            v = v.to(tl.bfloat16).to(tl.float32)
+        return v
+
+    globals().update(_bcx=_bcx)
+
+    @triton.jit
     def gated_conv_kernel(bcx_ptr, tail_ptr, w_ptr, win_ptr, n_ptr, adv_ptr, keep_ptr, out_ptr, H, stride_bcx,
                           stride_keep,
-                          stride_out, KW: tl.constexpr, BLOCK: tl.constexpr, ADVANCE: tl.constexpr,
-                          PDL: tl.constexpr):
+                          stride_out, stride_s, KW: tl.constexpr, BLOCK: tl.constexpr, ADVANCE: tl.constexpr,
+                          NP: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         i = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -52,9 +68,9 @@ def _build() -> dict[str, Any]:
         if i < n:
             ok = c < H
             row = bcx_ptr + i * stride_bcx
-            b = tl.load(row + c, mask=ok, other=0.0).to(tl.float32)
-            cg = tl.load(row + H + c, mask=ok, other=0.0).to(tl.float32)
-            xx = tl.load(row + 2 * H + c, mask=ok, other=0.0).to(tl.float32)
+            b = _bcx(row + c, stride_s, ok, NP)
+            cg = _bcx(row + H + c, stride_s, ok, NP)
+            xx = _bcx(row + 2 * H + c, stride_s, ok, NP)
             bx = (b * xx).to(tl.bfloat16)
             tl.store(keep_ptr + i * stride_keep + c, bx, mask=ok)
             y = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -69,8 +85,8 @@ def _build() -> dict[str, Any]:
                 xt = tl.load(tail_ptr + c * (KW - 1) + tl.where(from_tail, src, 0), mask=t_ok, other=0.0)
                 xt = xt.to(tl.float32)
                 nrow = bcx_ptr + node * stride_bcx
-                nb = tl.load(nrow + c, mask=r_ok, other=0.0).to(tl.float32)
-                nx = tl.load(nrow + 2 * H + c, mask=r_ok, other=0.0).to(tl.float32)
+                nb = _bcx(nrow + c, stride_s, r_ok, NP)
+                nx = _bcx(nrow + 2 * H + c, stride_s, r_ok, NP)
                 xr = (nb * nx).to(tl.bfloat16).to(tl.float32)
                 x = tl.where(from_tail, xt, xr)
                 wk = tl.load(w_ptr + c * KW + k, mask=ok, other=0.0)
@@ -100,12 +116,23 @@ def kernels() -> dict[str, Any]:
 
 def gated_conv(bcx: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, win: torch.Tensor, n: torch.Tensor,
                keep: torch.Tensor, out: torch.Tensor, advance: torch.Tensor | None = None) -> torch.Tensor:
-    """``bcx: [rows, 3H]`` bf16 (unit column stride), ``tail: [H, K-1]`` bf16 contiguous (moved on when
-    ``advance[0]`` is 1), ``weight: [H, K]`` fp32 contiguous, ``win: [rows, K-1]`` int32 contiguous, ``n: [1]`` int32 (the
-    nodes computed), ``keep: [rows, H]`` bf16 (each node's ``bx``), ``out: [rows, H]`` bf16. Returns ``out``."""
-    rows = bcx.shape[0]
+    """``bcx: [rows, 3H]`` bf16 (unit column stride), or the in_proj's fp32 partials ``[S, rows, 3H]`` (a K cut in
+    ``S`` parts: added in index order and rounded to bf16 where they are read, the bits of
+    ``bf16(reduce_parts(bcx))``), ``tail: [H, K-1]`` bf16 contiguous (moved on when ``advance[0]`` is 1),
+    ``weight: [H, K]`` fp32 contiguous, ``win: [rows, K-1]`` int32 contiguous, ``n: [1]`` int32 (the nodes
+    computed), ``keep: [rows, H]`` bf16 (each node's ``bx``), ``out: [rows, H]`` bf16. Returns ``out``."""
     H, KW = weight.shape
+    if bcx.dim() == 3:
+        if bcx.dtype != torch.float32:
+            raise ValueError(f"gated_conv: partials [S, rows, 3H] must be fp32, got {bcx.dtype}")
+        n_parts, stride_s, stride_r = int(bcx.shape[0]), bcx.stride(0), bcx.stride(1)
+    else:
+        n_parts, stride_s, stride_r = 0, 0, bcx.stride(0)
+    rows = bcx.shape[-2]
+    if bcx.shape[-1] != 3 * H or bcx.stride(-1) != 1:
+        raise ValueError(f"gated_conv: bcx {tuple(bcx.shape)} is not [(S,) rows, 3 * {H}] with a unit column stride")
     kernels()["gated_conv"][(rows, (H + BLOCK - 1) // BLOCK)](
-        bcx, tail, weight, win, n, n if advance is None else advance, keep, out, H, bcx.stride(0), keep.stride(0),
-        out.stride(0), KW=KW, BLOCK=BLOCK, ADVANCE=advance is not None, num_warps=2, **pdl.launch_kw())
+        bcx, tail, weight, win, n, n if advance is None else advance, keep, out, H, stride_r, keep.stride(0),
+        out.stride(0), stride_s, KW=KW, BLOCK=BLOCK, ADVANCE=advance is not None, NP=n_parts, num_warps=2,
+        **pdl.launch_kw())
     return out

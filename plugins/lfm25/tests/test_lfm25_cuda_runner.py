@@ -38,6 +38,25 @@ def static_case(path, dtype: str = "fp32") -> RunnerCase:
     return RunnerCase(build=build, vocab=VOCAB, prompt=lambda n, seed: prompt(n, VOCAB, seed=seed).tolist())
 
 
+def test_step_plans_cut_k_of_the_few_tile_weights():
+    """The step's plans at the 24B-A2B shapes: ``plan_for``'s tiles, K step, warps, stages and layout, K cut until
+    the grid would pass three programs a multiprocessor (or one K step a part)."""
+    import dataclasses
+    import math
+
+    from tandem_lfm25.cuda_runner import SMS, step_plan
+
+    from tandem_core.ops import triton_matmul as tm
+
+    want = {(64, 2048): 16, (32, 2048): 16, (2048, 2048): 8, (6144, 2048): 4, (3072, 2048): 8, (2048, 7168): 8,
+            (7168, 2048): 2, (65536, 2048): 1, (6, 64): 1, (1234, 200): 2}
+    for (N, K), split in want.items():
+        p, base = step_plan(N, K), tm.plan_for(N, K)
+        assert p.split == split, (N, K, p)
+        assert dataclasses.replace(p, split=base.split) == base
+        assert math.ceil(N / p.BN) * split <= max(3 * SMS, math.ceil(N / p.BN)) and split <= math.ceil(K / p.BK)
+
+
 class TestLfmCudaRunnerMoe(RunnerContract):
     @pytest.fixture(scope="class")
     @classmethod

@@ -2,6 +2,10 @@
 
 - the gated short conv over a tree (``triton_conv.gated_conv``) and the ungated ``qk_post`` against their torch
   references; the grouped experts are ``tests/test_gpu_moe.py``'s;
+- the kernels that add a matmul's fp32 partials themselves (the add-norm, the gated conv, ``qk_post``; the step
+  plans cut K of the few-tile projections) give the bits they give on the partials reduced;
+- at the 24B-A2B widths (three layers, every step plan cutting K), verify rows equal decode rows bit for bit, the
+  self-check passes at every width and the logits track the fp32 reference runner;
 - ``LfmCudaRunner`` with CUDA graphs passes the runner conformance suite (chains and trees of every width bit for
   bit against its decode rows, commits, pending tokens, the self-check, oracle speculation) on the tiny
   re-randomised ``lfm2_moe`` checkpoint in bf16;
@@ -126,6 +130,172 @@ def test_ungated_qk_post_equals_norm_and_rope():
     assert rel(q.view(rows, hq, D), want_q) < 1e-2
     assert rel(K[:, L:L + rows].transpose(0, 1), want_k) < 1e-2
     assert torch.equal(V[:, L:L + rows].transpose(0, 1), raw[:, (hq + hkv) * D:].view(rows, hkv, D))
+
+
+# -- the consumers of a matmul's fp32 partials (the step plans cut K; the next kernel adds the parts) -----------
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_the_partials_consumers_equal_them_reduced(rows):
+    """At the 24B-A2B shapes, each kernel on a skinny matmul's partials (cut by ``step_plan``) gives the bits it gives
+    on ``bf16(reduce_parts(parts))``: the add-norm after ``out_proj``, the gated conv after ``in_proj``, ``qk_post``
+    after ``q | k | v``."""
+    from tandem_lfm25.cuda_runner import conv_windows, step_plan, tree_tables
+    from tandem_lfm25.triton_conv import gated_conv
+
+    from tandem_core.ops import rope
+    from tandem_core.ops import triton_fused as tf
+    from tandem_core.ops import triton_matmul as tm
+
+    H, K, hq, hkv, D = 2048, 3, 32, 8, 64
+    g = torch.Generator(device="cuda").manual_seed(rows)
+
+    def parts_of(N: int, Kin: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(rows, Kin, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(N, Kin, device="cuda", generator=g) * Kin ** -0.5).bfloat16()
+        parts = tm.skinny_matmul(x, w, step_plan(N, Kin))
+        assert parts.dim() == 3 and parts.shape[0] > 1
+        return parts, tm.reduce_parts(parts).bfloat16()
+
+    parts, d = parts_of(H, H)                                               # out_proj: 8 parts
+    x0 = torch.randn(rows, H, device="cuda", generator=g).bfloat16()
+    w = torch.randn(H, device="cuda", generator=g) * 0.1
+    got, want = [], []
+    for src, res in ((parts, got), (d, want)):
+        x = x0.clone()
+        out = torch.empty_like(x)
+        tf.add_rms_norm_1p(x, src, w, 1e-5, out)
+        res += [x, out]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    parts, bcx = parts_of(3 * H, H)                                         # in_proj: 4 parts
+    parents = random_tree(random.Random(rows), rows, 10)[1] if rows > 1 else [-1]
+    win = torch.tensor(conv_windows(tree_tables(parents)[1], K - 1), dtype=torch.int32, device="cuda")
+    n = torch.tensor([rows], dtype=torch.int32, device="cuda")
+    tail = torch.randn(H, K - 1, device="cuda", generator=g).bfloat16()
+    cw = torch.randn(H, K, device="cuda", generator=g)
+    adv = torch.ones(1, dtype=torch.int32, device="cuda") if rows == 1 else None
+    got, want = [], []
+    for src, res in ((parts, got), (bcx, want)):
+        t = tail.clone()
+        keep = torch.zeros(rows, H, dtype=torch.bfloat16, device="cuda")
+        out = torch.zeros(rows, H, dtype=torch.bfloat16, device="cuda")
+        gated_conv(src, t, cw, win, n, keep, out, advance=adv)
+        res += [t, keep, out]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    parts, raw = parts_of((hq + 2 * hkv) * D, H)                            # q | k | v: 8 parts
+    L, S = 11, 96
+    freqs = rope.inv_freq(D, 1e6, "cuda")
+    pos = torch.arange(L, L + rows, dtype=torch.int32, device="cuda")
+    meta = torch.tensor([L, rows], dtype=torch.int32, device="cuda")
+    qn, kn = 0.3 * torch.randn(D, device="cuda", generator=g), 0.3 * torch.randn(D, device="cuda", generator=g)
+    got, want = [], []
+    for src, res in ((parts, got), (raw, want)):
+        q = torch.empty(rows, hq * D, dtype=torch.bfloat16, device="cuda")
+        Kc = torch.zeros(hkv, S, D, dtype=torch.bfloat16, device="cuda")
+        Vc = torch.zeros_like(Kc)
+        tf.qk_post(src, qn, kn, freqs, pos, meta, q, Kc, Vc, hq, hkv, D, D, 1e-5, rows, gated=False)
+        res += [q, Kc, Vc]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# -- the runner at a real width: every step plan cuts K --------------------------------------------------------
+WIDE_VOCAB = 512
+
+
+def wide_weights():
+    """Three layers at the 24B-A2B widths (hidden 2048; a dense MLP of 7168, then 64 experts top-4 of 1536; conv,
+    attention with 32/8 heads of 64, conv), random bf16, and the same tensors in fp32 for the reference runner."""
+    from tandem_lfm25.config import read_config
+    from tandem_lfm25.weights import build_weights, expected_tensors
+
+    raw = dict(model_type="lfm2_moe", architectures=["Lfm2MoeForCausalLM"], vocab_size=WIDE_VOCAB,
+               hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1536, num_hidden_layers=3,
+               layer_types=["conv", "full_attention", "conv"], num_attention_heads=32, num_key_value_heads=8,
+               conv_L_cache=3, num_experts=64, num_experts_per_tok=4, num_dense_layers=1, use_expert_bias=True,
+               norm_topk_prob=True, routed_scaling_factor=1.0, max_position_embeddings=4096, norm_eps=1e-5,
+               tie_word_embeddings=True, eos_token_id=7, bos_token_id=1, pad_token_id=0,
+               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    cfg = read_config(raw)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    src: dict[str, torch.Tensor] = {}
+    for name, e in expected_tensors(cfg).items():
+        shape = e.shape
+        if len(shape) >= 2:
+            src[name] = (torch.randn(shape, device="cuda", generator=gen) * shape[-1] ** -0.5).bfloat16()
+        elif name.endswith("expert_bias"):
+            src[name] = torch.randn(shape, device="cuda", generator=gen) * 0.02
+        else:
+            src[name] = torch.ones(shape, device="cuda") + 0.125 * torch.randint(-2, 3, shape, device="cuda",
+                                                                                  generator=gen)
+    bf = build_weights(lambda n: src[n], cfg, "bf16", "cuda", tied=True)
+    f32 = build_weights(lambda n: src[n].float(), cfg, "fp32", "cuda", tied=True)
+    return cfg, bf, f32
+
+
+@pytest.fixture(scope="module")
+def wide():
+    from tandem_lfm25.cuda_runner import LfmCudaRunner, step_plan
+
+    cfg, bf, f32 = wide_weights()
+    runner = LfmCudaRunner(cfg, bf, max_context=512, max_tree=64, prefill_chunk=64)
+    # every projection of the step is cut: the router 16 parts, out_proj and q | k | v 8, in_proj 4, w2 8
+    lw = bf.layers
+    assert [step_plan(*map(int, t.shape)).split for t in (lw[1].ffn.router.weight, lw[0].mixer.out_proj.weight,
+                                                           lw[0].mixer.in_proj.weight, runner._qkv[0],
+                                                           lw[0].ffn.w2.weight)] == [16, 8, 4, 8, 8]
+    return SequenceEngine(runner, name="lfm2_moe"), cfg, f32
+
+
+def test_wide_verify_rows_are_the_decode_rows_and_the_self_check_passes(wide):
+    from tandem_core.testing.trees import assert_same_state
+
+    eng, _, _ = wide
+    eng.reset()
+    eng.forward(prompt(40, WIDE_VOCAB, seed=8))
+    base = eng.state.clone()
+    tokens, parents = random_tree(random.Random(9), 48, WIDE_VOCAB)
+    want, _, states = plain_rows_of_tree(eng, base, tokens, parents)
+    eng.state.restore(base)
+    out = eng.forward_tree(torch.tensor(tokens), torch.tensor(parents))
+    bad = [i for i in range(48) if not torch.equal(out.logits[i], want[i])]
+    assert not bad, f"verify rows {bad} differ from their decode rows"
+    leaf = max(range(48), key=lambda i: len(path_to(parents, i)))
+    eng.commit_tree(path_to(parents, leaf))
+    assert_same_state(eng.state, states[leaf])
+    eng.reset()
+    result = run_selfcheck(eng, tokens=24)
+    assert result.ok, result.first_mismatch
+    assert result.widths[-1] == eng.caps.max_tree
+
+
+def test_wide_logits_track_the_fp32_reference_runner(wide):
+    from tandem_lfm25.model import Lfm2Runner
+
+    eng, cfg, f32 = wide
+    ref = SequenceEngine(Lfm2Runner(cfg, f32, max_context=512, max_tree=16, prefill_chunk=64), name="ref")
+    ids = prompt(70, WIDE_VOCAB, seed=12)                 # two prefill chunks of 64, the second of 6
+    eng.reset()
+    a, b = ref.forward(ids), eng.forward(ids)
+    assert rel(b[-1], a[-1]) < ROW_TOL
+    tok = int(a[-1].argmax())
+    snap_ref, snap_eng, first = ref.state.clone(), eng.state.clone(), tok
+    dec = []
+    for _ in range(8):                                    # decode steps: the width-1 graph
+        a, b = ref.forward([tok]), eng.forward([tok])
+        dec.append(rel(b[0], a[0]))
+        tok = int(a[0].argmax())
+    assert max(dec) < ROW_TOL and sum(dec) / len(dec) < MEAN_TOL, dec
+    ref.state.restore(snap_ref)
+    eng.state.restore(snap_eng)
+    chain = [first]
+    for _ in range(7):
+        chain.append(int(ref.forward([chain[-1]])[0].argmax()))
+    ref.state.restore(snap_ref)
+    va = ref.forward_tree(chain, list(range(-1, 7))).logits
+    vb = eng.forward_tree(chain, list(range(-1, 7))).logits
+    assert max(rel(vb[i], va[i]) for i in range(8)) < ROW_TOL
+    eng.discard_pending()
+    ref.discard_pending()
 
 
 # -- the runner ------------------------------------------------------------------------------------------------

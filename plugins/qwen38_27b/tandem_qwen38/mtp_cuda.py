@@ -137,7 +137,10 @@ class CudaMTPHead(MTPHead):
 
     # -- one step of ``rows`` rows (those < meta[1] real) on the head's layer ``slot`` -------------------------
     def _step(self, rows: int, hidden: torch.Tensor, meta: torch.Tensor, pos: torch.Tensor, anc: torch.Tensor,
-              slot: int) -> None:
+              slot: int, kv_only: bool = False) -> None:
+        """The head's layer over ``rows`` rows: K/V written at ``pos``, ``out`` (after ``mtp.norm``) computed. With
+        ``kv_only`` it stops once K and V are written (an append: its rows are read by later launches only through
+        the cache, and nothing reads its ``out``), skipping the attention, ``o`` and the MLP."""
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_fused as tf
         from tandem_core.ops import triton_matmul as tm
@@ -152,6 +155,8 @@ class CudaMTPHead(MTPHead):
         K, V = self._K[slot], self._V[slot]
         tf.qk_post(self.ap[:R], ly.q_norm, ly.k_norm, self.freqs, pos, meta, self.qrot[:R], K, V, self.hq,
                    self.hkv, self.D, self.cfg.rotary_dim, eps, R)
+        if kv_only:
+            return
         ta.tree_attention(self.qrot[:R], self.ap[:R], K, V, meta, pos, anc, self.scratch, self.aout[:R],
                           hq=self.hq, hkv=self.hkv, head_dim=self.D, scale=self.D ** -0.5, rows=R)
         tf.add_rms_norm_1p(x, self._mm_parts(self.aout[:R], ly.w_o), ly.post_norm, eps, h)
@@ -194,7 +199,8 @@ class CudaMTPHead(MTPHead):
     def _append_body(self, W: int) -> None:
         o = self._off_app
         torch.index_select(self.embed, 0, self.ids[:W], out=self.xin[:W])
-        self._step(W, self.src[:W], self.dmeta[o:o + 2], self.dmeta[o + 2:o + 2 + W], self.anc[:W, :W], 0)
+        self._step(W, self.src[:W], self.dmeta[o:o + 2], self.dmeta[o + 2:o + 2 + W], self.anc[:W, :W], 0,
+                   kv_only=True)
 
     def _writable(self) -> None:
         if self._done is not None:
