@@ -24,11 +24,10 @@ Fusions (``fuse``, on by default; ``tandem_core.ops.triton_fused_mm``): the MLP'
 is made on load by the down projection's matmul (same plan) at widths up to ``fuse_rows``; a
 Gated DeltaNet layer's ``conv_tree`` runs in the tree kernel's prologue at widths up to
 ``fuse_conv_rows``; the embedding gather is the first norm's load at every width: 64 + 48 + 1
-launches fewer a decode step on the 27B. Each fused kernel computes
-what the pair computes bit for bit, so which widths use them changes no row (decode and verify
-rows stay equal whatever the split); wider calls keep the pair, where the fused kernel's
-repeated work (the activation per column tile, the conv node by node) would cost more than the
-launch it saves.
+launches fewer a decode step on the 27B. Each fused kernel computes what the pair computes bit
+for bit, so which widths use them changes no row (decode and verify rows stay equal whatever
+the split); wider calls keep the pair, where the fused kernel's repeated work (the activation
+per column tile, the conv node by node) would cost more than the launch it saves.
 
 Weights: each layer's projections that read the same input are one matrix
 (``[qkv | z | b | a]``, ``[gate | up]``, ``[q | k | v]``), so one launch reads them;
