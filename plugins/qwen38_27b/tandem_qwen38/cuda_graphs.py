@@ -20,7 +20,7 @@ round is reading the picks. Decode and verify run the same kernels with the same
 configuration on every row (``tandem_core.ops.triton_*``), so a verified row equals the
 decode row bit for bit.
 
-Fusions (``fuse``, on by default; ``tandem_core.ops.triton_fused_mm``): the MLP's ``silu_mul``
+Fusions (``fuse``; off by default, the ``QWEN38_FUSE`` setting, until a device run measures them; ``tandem_core.ops.triton_fused_mm``): the MLP's ``silu_mul``
 is made on load by the down projection's matmul (same plan) at widths up to ``fuse_rows``; a
 Gated DeltaNet layer's ``conv_tree`` runs in the tree kernel's prologue at widths up to
 ``fuse_conv_rows``; the embedding gather is the first norm's load at every width: 64 + 48 + 1
@@ -283,13 +283,19 @@ class CudaRunner:
     def __init__(self, cfg: Qwen38Config, fw: FusedWeights, S: torch.Tensor, conv: torch.Tensor,
                  K: torch.Tensor, V: torch.Tensor, *, max_context: int, widths: Sequence[int] = WIDTHS,
                  prefill_chunk: int = 8192, pdl: bool | None = None, attn_split: int | None = None,
-                 fuse: bool = True, fuse_rows: int = FUSE_ROWS, fuse_conv_rows: int = FUSE_CONV_ROWS) -> None:
+                 fuse: bool | None = None, fuse_rows: int = FUSE_ROWS, fuse_conv_rows: int = FUSE_CONV_ROWS) -> None:
         from tandem_core.ops import rope as _rope
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_matmul as tm
         from tandem_core.ops import triton_pdl
         from tandem_core.settings import SETTINGS
 
+        if fuse is None:
+            from tandem_qwen38.plugin import SETTINGS_DECLARED
+
+            for setting in SETTINGS_DECLARED:       # declared here too: tools build runners with entry points off
+                SETTINGS.declare(setting)
+            fuse = bool(SETTINGS.get("QWEN38_FUSE"))
         if pdl is None:
             pdl = bool(SETTINGS.get("CUDA_PDL")) and torch.cuda.get_device_capability(S.device)[0] >= 9
         triton_pdl.set_enabled(pdl)

@@ -27,6 +27,11 @@ SETTINGS_DECLARED = (
             "many tokens at a time; the result equals one full forward within fp32 rounding); 0: by device, "
             "512 on the CPU, 8192 on CUDA",
             int, arithmetic=True),
+    Setting("QWEN38_FUSE", False, "tandem_qwen38.cuda_graphs",
+            "the CUDA graph step's fused kernels (tandem_core.ops.triton_fused_mm: silu_mul in the down matmul, "
+            "conv_tree in the tree kernel, the embedding in the first norm; the same bits as the kernel pairs, "
+            "113 launches fewer a 27B decode step); off until a device run has measured them",
+            bool, arithmetic=True),
 )
 
 

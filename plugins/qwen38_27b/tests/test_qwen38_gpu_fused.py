@@ -157,7 +157,7 @@ def test_every_fusion_at_every_width_changes_no_bit(cfg, fw):
 def test_verified_rows_equal_decode_rows_with_the_default_fusions(cfg, fw):
     from tandem_qwen38 import cuda_graphs
 
-    run = make_runner(cfg, fw)
+    run = make_runner(cfg, fw, fuse=True)
     assert (run.fuse_rows, run.fuse_conv_rows) == (cuda_graphs.FUSE_ROWS, cuda_graphs.FUSE_CONV_ROWS)
     rng = random.Random(9)
     for _ in range(5):                                       # some context first
