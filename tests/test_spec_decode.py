@@ -162,9 +162,9 @@ def test_a_paying_drafter_is_never_paused_by_the_cost_rule():
 
 
 def test_needed_tokens_counts_the_path_from_the_first_node_only_this_drafter_proposed():
+    from tandem_core.drafter import Proposal
     from tandem_core.spec.speculate import needed_tokens
     from tandem_core.spec.tree import TokenTree
-    from tandem_core.drafter import Proposal
 
     a = Proposal.chain([1, 2, 3], [0.9, 0.9, 0.9], "a")
     b = Proposal.chain([1, 2, 7, 8], [0.9, 0.9, 0.9, 0.9], "b")

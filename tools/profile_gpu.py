@@ -137,9 +137,7 @@ def run_target(target: str, a: argparse.Namespace) -> dict[str, Any]:
             eng.discard_pending()
 
         res[f"verify{wv}"] = profile_verb(verify, max(4, a.steps // 4))
-    del eng
-    torch.cuda.empty_cache()
-    return res
+    return res                                                   # the engine goes with this frame
 
 
 def short(name: str, n: int = 90) -> str:
@@ -148,8 +146,8 @@ def short(name: str, n: int = 90) -> str:
 
 def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
     lines = [f"# GPU profile ({torch.cuda.get_device_name(0)}, torch {torch.__version__})", "",
-             f"    python tools/profile_gpu.py --targets {a.targets} --context {a.context} --steps {a.steps} "
-             f"--verify {a.verify}", ""]
+             (f"    python tools/profile_gpu.py --targets {a.targets} --context {a.context} --steps {a.steps} "
+              f"--verify {a.verify}"), ""]
     for r in results:
         lines += [f"## {r['target']} at {r['context']} tokens of context", "",
                   "| verb | wall ms | kernel ms | span ms | idle in span ms | kernels a step |", "|---|---|---|---|---|---|"]
@@ -188,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in a.targets.split(","):
         try:
             results.append(run_target(t, a))
+            torch.cuda.empty_cache()
         except Exception as e:                                   # one target failing leaves the others
             import traceback
 

@@ -109,7 +109,8 @@ def compile_all(path: str, capability: int = 90) -> int:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", capability, 32)
-    specs = json.load(open(path))
+    with open(path) as f:
+        specs = json.load(f)
     bad = 0
     for s in specs:
         label = f"{s['module']}.{s['name']} {s['constexprs']} {s['options']}"
