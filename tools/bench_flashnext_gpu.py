@@ -332,7 +332,7 @@ def run(a: argparse.Namespace, budget: Budget, log: Callable[[str], None]) -> di
     t = time.perf_counter()
     max_tree = max(a.widths)
     runner = make_runner(cfg, w, max_context=max(a.prefill, a.context) + 64, prefill_chunk=a.prefill_chunk,
-                         max_tree=max_tree)
+                         max_tree=max_tree, cuda_runner=True)
     eng = SequenceEngine(runner, name="qwen4_exp")
     sync(dev)
     row["runner"], row["capture_s"] = type(runner).__name__, time.perf_counter() - t

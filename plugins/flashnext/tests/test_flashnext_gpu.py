@@ -291,6 +291,7 @@ def test_serving_picks_the_cuda_runner_on_the_device(flashnext_ckpts):
     from tandem_flashnext.serving import make_runner, runner_choice
 
     cfg, w = cuda_weights(flashnext_ckpts.text.path)
-    assert runner_choice(cfg, w) is None
-    assert type(make_runner(cfg, w, max_context=64, prefill_chunk=16, max_tree=4)) is FlashNextCudaRunner
+    assert runner_choice(cfg, w, cuda_runner=True) is None
+    assert type(make_runner(cfg, w, max_context=64, prefill_chunk=16, max_tree=4, cuda_runner=True)) \
+        is FlashNextCudaRunner
     assert type(make_runner(cfg, w, max_context=64, prefill_chunk=16, cuda_runner=False)) is FlashNextRunner
