@@ -11,26 +11,27 @@ kernel 4), 1, 3, 16 and 64 rows, every matmul layout:
   and the normed rows.
 
 Skipped without CUDA and Triton. With ``TRITON_INTERPRET=1`` (and Triton installed) the same comparisons run
-on the CPU in the interpreter, at reduced shapes with the same tile structure (``TANDEM_FUSED_FULL=1``: the
-full ones): that proves the dataflow (the same values reach the same dots), the device proves the lowering.
+on the CPU in the interpreter, at reduced shapes with the same tile structure (the full ones on the device):
+that proves the dataflow (the same values reach the same dots), the device proves the lowering.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from tandem_core.testing.kernels import triton_interpreting
+
+INTERPRET = triton_interpreting()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON or not (torch.cuda.is_available() or INTERPRET),
                                 reason="needs a CUDA device and Triton (or TRITON_INTERPRET=1 with Triton)")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-FULL = DEV == "cuda" or os.environ.get("TANDEM_FUSED_FULL") == "1"
+FULL = DEV == "cuda"
 # the 27B (tools/bench_gpu.py SHAPE): hidden, MLP, the linear attention's heads; under the interpreter smaller
 # ones with the same tiles (128-wide K steps, a few per part of a split K; heads of 128, fewer of them)
 HIDDEN, INTER = (5120, 17408) if FULL else (256, 1536)

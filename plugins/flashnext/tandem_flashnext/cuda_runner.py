@@ -67,7 +67,8 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, Step, TreeStep, tensor_bytes
-from tandem_core.engine.runner import graph_capture, widths_up_to
+from tandem_core.engine.graph_tables import WIDTHS, conv_windows, runner_widths, tree_tables
+from tandem_core.engine.runner import graph_capture
 from tandem_core.ops import rope as _rope
 from tandem_core.ops.attention import causal_mask
 from tandem_core.ops.conv import conv_tail
@@ -85,38 +86,7 @@ from tandem_flashnext.weights import AttentionWeights, FlashNextWeights, GDNWeig
 __all__ = ["WIDTHS", "FlashNextCudaRunner", "GpuPathRows", "conv_windows", "ple_windows", "runner_widths",
            "select_blocks", "tree_tables", "unsupported"]
 
-WIDTHS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 _TIE_BITS = 20          # the top-k key: a score's bits above, the block's column (inverted) below
-
-
-def runner_widths(max_tree: int) -> tuple[int, ...]:
-    """``WIDTHS`` up to the first that holds ``max_tree`` (at most 128, the row-invariant matmul's rows)."""
-    if not 1 <= max_tree <= WIDTHS[-1]:
-        raise ValueError(f"max_tree must be in 1..{WIDTHS[-1]}, got {max_tree}")
-    return widths_up_to(WIDTHS, max_tree)
-
-
-def tree_tables(parents: Sequence[int]) -> tuple[list[int], list[list[int]]]:
-    """``(depth, anc)`` of a tree (``parents[i] < i``, -1: a root): ``anc[i]`` is node i's path, root first,
-    ``i`` itself last."""
-    depth: list[int] = []
-    anc: list[list[int]] = []
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"verify: node {i}'s parent {p} is not an earlier node or -1")
-        depth.append(0 if p < 0 else depth[p] + 1)
-        anc.append([i] if p < 0 else [*anc[p], i])
-    return depth, anc
-
-
-def conv_windows(anc: Sequence[Sequence[int]], k1: int) -> list[list[int]]:
-    """Each node's ``k1`` conv inputs before its own, oldest first: ``c < k1`` is column ``c`` of the committed
-    tail, ``k1 + j`` node ``j``'s input."""
-    out = []
-    for a in anc:
-        full = [*range(k1), *(k1 + j for j in a[:-1])]
-        out.append(full[len(full) - k1:])
-    return out
 
 
 def ple_windows(anc: Sequence[Sequence[int]], tail: int, taps: int, dilation: int) -> list[list[int]]:
@@ -423,7 +393,7 @@ class FlashNextCudaRunner(FlashNextRunner):
         r = cfg.indexer_compress_ratio
         for meta in self.metas.values():                # the frontier blocks a width pools: W * F of them
             meta.pool_head = torch.tensor([0, meta.W * ((r - 1 + meta.W) // r)], dtype=torch.int32, device=dev)
-        H, nH = cfg.hidden_size, cfg.hc_dim
+        nH = cfg.hc_dim
         # what a verify keeps for the commit: the streams, the PLE conv inputs, the Gated DeltaNet's rows
         self._streams = torch.zeros(Wm, nH, dtype=act, device=dev)
         self._ple_keep = torch.zeros(n_ple, Wm, nH, dtype=act, device=dev)

@@ -78,7 +78,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem_core.engine import Capture, LogitRows, Manifest, MemoryPart, Rows, Step, TreeStep, tensor_bytes
-from tandem_core.engine.runner import graph_capture, widths_up_to
+from tandem_core.engine.graph_tables import GATE_ONE, WIDTHS, conv_windows, runner_widths, slots_of, tree_tables
+from tandem_core.engine.runner import graph_capture
 from tandem_core.ops import moe as _core_moe
 from tandem_core.ops import rope as _rope
 from tandem_lfm25 import moe as _moe
@@ -89,44 +90,6 @@ from tandem_lfm25.weights import AttentionWeights, ConvWeights, Lfm2Weights, MLP
 __all__ = ["GATE_ONE", "SMS", "WIDTHS", "LfmCudaRunner", "conv_windows", "runner_widths", "slots_of", "step_plan",
            "tree_tables", "unsupported"]
 
-WIDTHS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-GATE_ONE = 100.0   # sigmoid(100) = 1 / (1 + 3.7e-44) rounds to 1.0 in fp32: the kernel's gate is the identity
-
-
-def runner_widths(max_tree: int) -> tuple[int, ...]:
-    """``WIDTHS`` up to the first that holds ``max_tree`` (at most 128, the row-invariant matmul's rows)."""
-    if not 1 <= max_tree <= WIDTHS[-1]:
-        raise ValueError(f"max_tree must be in 1..{WIDTHS[-1]}, got {max_tree}")
-    return widths_up_to(WIDTHS, max_tree)
-
-
-def tree_tables(parents: Sequence[int]) -> tuple[list[int], list[list[int]]]:
-    """``(depth, anc)`` of a tree (``parents[i] < i``, -1: a root): ``anc[i]`` is node i's path, root first,
-    ``i`` itself last."""
-    depth: list[int] = []
-    anc: list[list[int]] = []
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"verify: node {i}'s parent {p} is not an earlier node or -1")
-        depth.append(0 if p < 0 else depth[p] + 1)
-        anc.append([i] if p < 0 else [*anc[p], i])
-    return depth, anc
-
-
-def conv_windows(anc: Sequence[Sequence[int]], k1: int) -> list[list[int]]:
-    """Each node's ``k1`` conv inputs before its own, oldest first: ``c < k1`` is column ``c`` of the committed
-    tail, ``k1 + j`` node ``j``'s input (its ancestors on its path)."""
-    out = []
-    for a in anc:
-        full = [*range(k1), *(k1 + j for j in a[:-1])]
-        out.append(full[len(full) - k1:])
-    return out
-
-
-def slots_of(L: int, anc: Sequence[int]) -> list[int]:
-    """The cache slots a node with path ``anc`` (root first, itself last) reads on top of ``L`` committed
-    tokens, in position order: ``0 .. L-1``, then ``L + anc[d]`` for every depth."""
-    return [*range(L), *(L + a for a in anc)]
 
 
 SMS = 132   # H200 multiprocessors: only ``step_plan``'s split reads it (a constant: a plan never depends on the run)

@@ -15,13 +15,14 @@ On a CUDA device the steps are the captured graphs. Skipped without CUDA and Tri
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from tandem_core.testing.kernels import triton_interpreting
+
+INTERPRET = triton_interpreting()
 CUDA = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not (CUDA or (INTERPRET and importlib.util.find_spec("triton") is not None)),
                                 reason="needs a CUDA device and Triton (or TRITON_INTERPRET=1 with Triton)")
