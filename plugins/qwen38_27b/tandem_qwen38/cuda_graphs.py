@@ -47,12 +47,19 @@ import torch
 import torch.nn.functional as F
 
 from tandem_core.engine.runner import graph_capture, widths_up_to
+from tandem_core.settings import SETTINGS as _SETTINGS
 from tandem_qwen38.config import Qwen38Config
+from tandem_qwen38.plugin import SETTINGS_DECLARED
 
 __all__ = ["WIDTHS", "GdnW", "AttnW", "LayerW", "FusedWeights", "fuse_weights", "CudaRunner", "tree_tables",
            "PathRows", "runner_widths", "unsupported"]
 
 WIDTHS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# the plugin's settings, declared here as well as through its hook: tools and tests build runners with entry
+# points off (equal declarations: declaring twice is a no-op)
+for _setting in SETTINGS_DECLARED:
+    _SETTINGS.declare(_setting)
+
 # the widths that use the fused kernels (not measured yet: the next device run times them). The fused down
 # projection makes the activation in every column tile of the weight, for a tile of max(16, rows) rows: up to
 # 16 rows that is decode's own tile; the fused conv walks the tree's nodes one after another in each program
@@ -291,10 +298,6 @@ class CudaRunner:
         from tandem_core.settings import SETTINGS
 
         if fuse is None:
-            from tandem_qwen38.plugin import SETTINGS_DECLARED
-
-            for setting in SETTINGS_DECLARED:       # declared here too: tools build runners with entry points off
-                SETTINGS.declare(setting)
             fuse = bool(SETTINGS.get("QWEN38_FUSE"))
         if pdl is None:
             pdl = bool(SETTINGS.get("CUDA_PDL")) and torch.cuda.get_device_capability(S.device)[0] >= 9
