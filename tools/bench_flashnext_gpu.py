@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_common import Budget, fmt, hf_decode, hf_prefill, sync
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT / "plugins" / "flashnext", ROOT / "plugins" / "qwen38_27b", ROOT):
@@ -193,11 +194,6 @@ def hf_model(raw: dict[str, Any], cfg: Any, w: Any, attn: str, device: str) -> A
     return model.eval()
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def ours_decode(eng: Any, prompt: list[int], steps: int, widths: list[int], repeats: int) -> dict[str, Any]:
     eng.reset()
     last = eng.forward(prompt)[-1].float().cpu()
@@ -243,48 +239,6 @@ def ours_prefill(eng: Any, n: int, vocab: int, device: str) -> dict[str, Any]:
     s = time.perf_counter() - t
     eng.reset()
     return {"prefill_ms": s * 1e3, "prefill_tok_s": n / s}
-
-
-@torch.no_grad()
-def hf_decode(model: Any, prompt: list[int], steps: int, device: str) -> dict[str, Any]:
-    ids = torch.tensor([prompt], device=device)
-    out = model(ids, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    last = out.logits[0, -1].float().cpu()
-    tok = out.logits[0, -1].argmax()
-    times = []
-    for _ in range(steps + 2):
-        t = time.perf_counter()
-        out = model(tok.view(1, 1), past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        tok = out.logits[0, -1].argmax()
-        int(tok)
-        times.append(time.perf_counter() - t)
-    return {"hf_decode_ms": statistics.median(times[2:]) * 1e3, "_last": last}
-
-
-@torch.no_grad()
-def hf_prefill(model: Any, n: int, vocab: int, device: str) -> dict[str, Any]:
-    ids = torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(2)).to(device)
-    model(ids[:, :256], use_cache=True, logits_to_keep=1)       # warm-up
-    sync(device)
-    t = time.perf_counter()
-    int(model(ids, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
-    s = time.perf_counter() - t
-    return {"hf_prefill_ms": s * 1e3, "hf_prefill_tok_s": n / s}
-
-
-class Budget:
-    """Seconds left of ``total``; ``fits(est)`` says whether a stage of that estimate still fits."""
-
-    def __init__(self, total: float) -> None:
-        self.total, self.t0 = float(total), time.monotonic()
-
-    def left(self) -> float:
-        return self.total - (time.monotonic() - self.t0)
-
-    def fits(self, est: float) -> bool:
-        return self.left() >= est
 
 
 def floors(cfg: Any, w: Any, context: int, bandwidth_tbs: float, tflops: float) -> dict[str, Any]:
@@ -362,7 +316,7 @@ def run(a: argparse.Namespace, budget: Budget, log: Callable[[str], None]) -> di
     elif budget.fits(60):
         try:
             model = hf_model(raw, cfg, w, a.hf_attn, dev)
-            hf = hf_decode(model, prompt, a.hf_steps, dev)
+            hf = hf_decode(model, prompt, a.hf_steps, dev, keep_last=True)
             theirs = hf.pop("_last")
             row |= hf
             if ours_last is not None:           # the same tensors: the prompt's last logits agree within bf16
@@ -385,10 +339,6 @@ def run(a: argparse.Namespace, budget: Budget, log: Callable[[str], None]) -> di
         met["decode"] = row["decode_ms"] <= GOALS["decode_ms"]
     row["goals"], row["goals_met"] = GOALS, met
     return row
-
-
-def fmt(v: Any, spec: str = ".2f") -> str:
-    return "–" if v is None else format(v, spec)
 
 
 def table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:

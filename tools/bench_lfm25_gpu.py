@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_common import Budget, fmt, hf_decode, hf_prefill, sync
 
 # the published shapes (registry/models/lfm2.5-24b-a2b/model.yaml; LFM2-8B-A1B's card for the second)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -130,10 +131,6 @@ def hf_model(raw: dict[str, Any], cfg: Any, w: Any, attn: str, device: str = "cu
     return model.eval()
 
 
-def sync() -> None:
-    torch.cuda.synchronize()
-
-
 def ours_decode(eng: Any, prompt: list[int], steps: int, verify: int, repeats: int) -> dict[str, Any]:
     eng.reset()
     logits = eng.forward(prompt)
@@ -183,47 +180,6 @@ def ours_prefill(eng: Any, n: int, vocab: int, repeats: int) -> dict[str, Any]:
     s = min(ts)
     eng.reset()
     return {"prefill_ms": s * 1e3, "prefill_tok_s": n / s}
-
-
-@torch.no_grad()
-def hf_decode(model: Any, prompt: list[int], steps: int) -> dict[str, Any]:
-    ids = torch.tensor([prompt], device="cuda")
-    out = model(ids, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    tok = out.logits[0, -1].argmax()
-    times = []
-    for _ in range(steps + 2):
-        t = time.perf_counter()
-        out = model(tok.view(1, 1), past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        tok = out.logits[0, -1].argmax()
-        int(tok)
-        times.append(time.perf_counter() - t)
-    return {"hf_decode_ms": statistics.median(times[2:]) * 1e3}
-
-
-@torch.no_grad()
-def hf_prefill(model: Any, n: int, vocab: int) -> dict[str, Any]:
-    ids = torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(2)).cuda()
-    model(ids[:, :256], use_cache=True, logits_to_keep=1)       # warm-up
-    sync()
-    t = time.perf_counter()
-    int(model(ids, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
-    s = time.perf_counter() - t
-    return {"hf_prefill_ms": s * 1e3, "hf_prefill_tok_s": n / s}
-
-
-class Budget:
-    """Seconds left of ``total``; ``fits(est)`` says whether a stage of that estimate still fits."""
-
-    def __init__(self, total: float) -> None:
-        self.total, self.t0 = float(total), time.monotonic()
-
-    def left(self) -> float:
-        return self.total - (time.monotonic() - self.t0)
-
-    def fits(self, est: float) -> bool:
-        return self.left() >= est
 
 
 def floors(cfg: Any, w: Any, context: int, bandwidth_tbs: float, tflops: float) -> dict[str, Any]:
@@ -283,10 +239,10 @@ def run_shape(name: str, a: argparse.Namespace, budget: Budget, log: Callable[[s
     elif budget.fits(45 if big else 25):
         try:
             model = hf_model(raw, cfg, w, a.hf_attn)
-            row |= hf_decode(model, prompt, a.hf_steps)
+            row |= hf_decode(model, prompt, a.hf_steps, "cuda")
             log(f"{name}: transformers decode {row['hf_decode_ms']:.1f} ms/token")
             if budget.fits(25 if big else 15):
-                row |= hf_prefill(model, a.prefill, vocab)
+                row |= hf_prefill(model, a.prefill, vocab, "cuda")
                 log(f"{name}: transformers prefill {row['hf_prefill_tok_s']:.0f} tok/s")
             else:
                 row["skipped"].append("transformers prefill (budget)")
@@ -308,10 +264,6 @@ def run_shape(name: str, a: argparse.Namespace, budget: Budget, log: Callable[[s
         met["prefill"] = row["prefill_tok_s"] >= goals["prefill_tok_s"]
     row["goals"], row["goals_met"] = goals, met
     return row
-
-
-def fmt(v: Any, spec: str = ".2f") -> str:
-    return "–" if v is None else format(v, spec)
 
 
 def table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
