@@ -1,8 +1,6 @@
 """The tables every CUDA graph runner builds a round from (host-side, plain Python; no torch): the verify widths
-it captures, a tree's depths and paths, the cache slots a node reads and the conv inputs before it.
-
-The Llama, LFM2 and Flash-Next graph runners share them (``tandem_llama.cuda_runner``, ``tandem_lfm25.cuda_runner``,
-``tandem_flashnext.cuda_runner`` re-export them under the same names)."""
+it captures, a tree's depths and paths, the cache slots a node reads and the conv inputs before it. Every
+plugin's graph runner builds its rounds from these (and re-exports them under the same names)."""
 
 from __future__ import annotations
 
