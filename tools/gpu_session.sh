@@ -15,7 +15,8 @@
 #   flashnext  the Flash-Next GPU tests (test_flashnext_gpu.py: its kernels, FlashNextCudaRunner with graphs), then
 #            tools/bench_flashnext_gpu.py at the published shape (experts cut to 224 of 512) against transformers
 #            (budget FLASHNEXT_BUDGET, default 300 s); $OUT/flashnext.md, flashnext.json
-#   profile  tools/profile_gpu.py: the decode and verify steps kernel by kernel (PROFILE_TARGETS, default
+#   profile  tools/profile_gpu.py: the decode and verify steps kernel by kernel (PROFILE_TARGETS of lfm24, lfm8,
+#            qwen27, flashnext; default
 #            lfm24,lfm8,qwen27); $OUT/profile.md, profile.json
 #   qwenfuse the Qwen3.8 step's fused kernels (triton_fused_mm): their tests against the unfused pairs, the runner
 #            fused against unfused and verify = decode, the Qwen3.8 GPU tests; then tools/bench_gpu.py engine with

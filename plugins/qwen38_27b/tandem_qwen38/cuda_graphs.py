@@ -20,7 +20,7 @@ round is reading the picks. Decode and verify run the same kernels with the same
 configuration on every row (``tandem_core.ops.triton_*``), so a verified row equals the
 decode row bit for bit.
 
-Fusions (``fuse``; off by default, the ``QWEN38_FUSE`` setting, until a device run measures them; ``tandem_core.ops.triton_fused_mm``): the MLP's ``silu_mul``
+Fusions (``fuse``; off by default, the ``QWEN38_FUSE`` setting: on the H200 they bought nothing and broke verify = decode, see docs/measurements/h200-qwen38.md; ``tandem_core.ops.triton_fused_mm``): the MLP's ``silu_mul``
 is made on load by the down projection's matmul (same plan) at widths up to ``fuse_rows``; a
 Gated DeltaNet layer's ``conv_tree`` runs in the tree kernel's prologue at widths up to
 ``fuse_conv_rows``; the embedding gather is the first norm's load at every width: 64 + 48 + 1
