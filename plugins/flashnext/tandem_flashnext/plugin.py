@@ -27,10 +27,10 @@ SETTINGS_DECLARED = (
             "tokens per prefill chunk of the qwen4_exp engine (a long prompt runs through every layer this "
             "many tokens at a time; the result equals one full forward within fp32 rounding)",
             int, arithmetic=True),
-    Setting("FLASHNEXT_CUDA_RUNNER", False, "tandem_flashnext.serving",
+    Setting("FLASHNEXT_CUDA_RUNNER", True, "tandem_flashnext.serving",
             "on CUDA with bf16 weights and Triton, serve qwen4_exp with FlashNextCudaRunner (decode and verify as "
-            "CUDA graphs, the Triton kernels, the PLE rows gathered on the host); off (the default until its GPU "
-            "tests have run on a device): the reference runner there too",
+            "CUDA graphs, the Triton kernels, the PLE rows gathered on the host; on by default since its GPU tests "
+            "passed on the H200); off: the reference runner there too",
             bool, arithmetic=True),
 )
 

@@ -180,10 +180,11 @@ def test_unsupported_names_why_and_serving_chooses(flashnext_ckpts, monkeypatch)
     cfg16, w16 = weights_of(flashnext_ckpts.text.path, "bf16")
     fake16 = dataclasses.replace(w16, device=torch.device("cuda", 0))
     assert unsupported(cfg16, fake16) is None
-    # the setting's default: off until the GPU tests have run on a device; on, nothing else stands in the way
-    assert runner_choice(cfg16, fake16) == "the FLASHNEXT_CUDA_RUNNER setting is off"
-    monkeypatch.setenv("TANDEM_FLASHNEXT_CUDA_RUNNER", "1")
+    # the setting's default: on (its GPU tests passed on the H200, session 9); off, the reference runner
     assert runner_choice(cfg16, fake16) is None
+    monkeypatch.setenv("TANDEM_FLASHNEXT_CUDA_RUNNER", "0")
+    assert runner_choice(cfg16, fake16) == "the FLASHNEXT_CUDA_RUNNER setting is off"
+    monkeypatch.delenv("TANDEM_FLASHNEXT_CUDA_RUNNER")
     assert "sigmoid output gate" in unsupported(dataclasses.replace(cfg16, output_gate="sigmoid"), fake16)
     assert "below 16" in unsupported(dataclasses.replace(cfg16, indexer_head_dim=8), fake16)
     assert "1024" in unsupported(dataclasses.replace(cfg16, num_experts=2048), fake16)
