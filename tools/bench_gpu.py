@@ -282,7 +282,7 @@ def lookup_draft(seq: list[int], k: int) -> list[int]:
 
 # -- our engine ----------------------------------------------------------------------------------------------
 def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 128, prefill: bool = True,
-               prefill_chunk: int = 8192, fuse: str = "off") -> dict:
+               prefill_chunk: int = 8192) -> dict:
     import torch
 
     from tandem_qwen38.config import read_config
@@ -328,12 +328,8 @@ def run_engine(out: Path, budget_s: float, tune: bool = True, max_tree: int = 12
             log(f"tree kernel, {len(cfg.linear_layers)} layers, ms (64 nodes, 1 node) by warps: {R['tree_ms']}; "
                 f"runner uses {tg.TREE_WARPS}")
         R["prefill_chunk"] = prefill_chunk
-        # the step's fused kernels (triton_fused_mm): the runner's default widths, none, or every width
-        fuse_kw = {"default": {"fuse": True}, "off": {"fuse": False},
-                   "all": {"fuse": True, "fuse_rows": max_tree, "fuse_conv_rows": max_tree}}[fuse]
         run = CudaRunner(cfg, fw, S, conv, K, V, max_context=max_ctx, prefill_chunk=prefill_chunk,
-                         widths=runner_widths(max_tree), **fuse_kw)
-        R["fused_rows"] = {"silu_mul": run.fuse_rows, "conv_tree": run.fuse_conv_rows}
+                         widths=runner_widths(max_tree))
         from tandem_core.ops import triton_gdn as tg
         R["tree_warps"] = tg.TREE_WARPS
         R["widths"] = list(run.widths)
@@ -918,14 +914,11 @@ def main() -> None:
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill phase")
     ap.add_argument("--prefill-chunk", type=int, default=8192,
                     help="rows a prefill forward runs at a time (the CUDA serving default, CUDA_PREFILL_CHUNK)")
-    ap.add_argument("--fuse", choices=["default", "off", "all"], default="off",
-                    help="the step's fused kernels (triton_fused_mm): off (the shipped default, the QWEN38_FUSE "
-                         "setting), at the runner's default fused widths, or at every width")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.part == "engine":
-        R = run_engine(out, a.budget, not a.no_tune, a.max_tree, not a.skip_prefill, a.prefill_chunk, a.fuse)
+        R = run_engine(out, a.budget, not a.no_tune, a.max_tree, not a.skip_prefill, a.prefill_chunk)
         print(report(out))
         if R.get("errors"):
             for k, v in R["errors"].items():

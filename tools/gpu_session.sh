@@ -18,9 +18,6 @@
 #   profile  tools/profile_gpu.py: the decode and verify steps kernel by kernel (PROFILE_TARGETS of lfm24, lfm8,
 #            qwen27, flashnext; default
 #            lfm24,lfm8,qwen27); $OUT/profile.md, profile.json
-#   qwenfuse the Qwen3.8 step's fused kernels (triton_fused_mm): their tests against the unfused pairs, the runner
-#            fused against unfused and verify = decode, the Qwen3.8 GPU tests; then tools/bench_gpu.py engine with
-#            the fusions off, at their default widths and at every width; then profile at qwen27
 #
 # The device machine has no registry: .whl/ holds what its image lacks (fastapi, uvicorn, pydantic,
 # llguidance, gguf, openai, jsonschema, transformers 5.24.0, flash-linear-attention, ...).
@@ -110,17 +107,6 @@ profile() {
     timeout ${PROFILE_BUDGET:-300} python3 tools/profile_gpu.py --out "$OUT/profile" \
         --targets ${PROFILE_TARGETS:-lfm24,lfm8,qwen27} 2>&1 | tee "$OUT/profile.log" | tail -20
     cp "$OUT/profile/profile.md" "$OUT/profile/profile.json" "$OUT/" 2>/dev/null
-}
-
-qwenfuse() {
-    timeout 420 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" tests/test_gpu_fused_mm.py \
-        plugins/qwen38_27b/tests/test_qwen38_gpu_fused.py plugins/qwen38_27b/tests/test_qwen38_gpu.py 2>&1 \
-        | tee "$OUT/qwenfuse-tests.log" | tail -30
-    for f in off default all; do
-        timeout 560 python3 tools/bench_gpu.py engine --out "$OUT/engine-fuse-$f" --no-tune --skip-prefill \
-            --fuse $f --budget ${ENGINE_BUDGET:-300} 2>&1 | tee "$OUT/engine-fuse-$f.log" | tail -30
-    done
-    PROFILE_TARGETS=${PROFILE_TARGETS:-qwen27} profile
 }
 
 for part in "$@"; do

@@ -20,15 +20,6 @@ round is reading the picks. Decode and verify run the same kernels with the same
 configuration on every row (``tandem_core.ops.triton_*``), so a verified row equals the
 decode row bit for bit.
 
-Fusions (``fuse``; off by default, the ``QWEN38_FUSE`` setting: on the H200 they bought nothing and broke verify = decode, see docs/measurements/h200-qwen38.md; ``tandem_core.ops.triton_fused_mm``): the MLP's ``silu_mul``
-is made on load by the down projection's matmul (same plan) at widths up to ``fuse_rows``; a
-Gated DeltaNet layer's ``conv_tree`` runs in the tree kernel's prologue at widths up to
-``fuse_conv_rows``; the embedding gather is the first norm's load at every width: 64 + 48 + 1
-launches fewer a decode step on the 27B. Each fused kernel computes what the pair computes bit
-for bit, so which widths use them changes no row (decode and verify rows stay equal whatever
-the split); wider calls keep the pair, where the fused kernel's repeated work (the activation
-per column tile, the conv node by node) would cost more than the launch it saves.
-
 Weights: each layer's projections that read the same input are one matrix
 (``[qkv | z | b | a]``, ``[gate | up]``, ``[q | k | v]``), so one launch reads them;
 ``fuse_weights`` builds them from ``Qwen38Weights`` and rebinds each dense weight to its
@@ -59,12 +50,6 @@ WIDTHS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 # points off (equal declarations: declaring twice is a no-op)
 for _setting in SETTINGS_DECLARED:
     _SETTINGS.declare(_setting)
-
-# the widths that use the fused kernels (not measured yet: the next device run times them). The fused down
-# projection makes the activation in every column tile of the weight, for a tile of max(16, rows) rows: up to
-# 16 rows that is decode's own tile; the fused conv walks the tree's nodes one after another in each program
-FUSE_ROWS = 16
-FUSE_CONV_ROWS = 1
 
 
 @dataclass
@@ -289,16 +274,13 @@ class CudaRunner:
 
     def __init__(self, cfg: Qwen38Config, fw: FusedWeights, S: torch.Tensor, conv: torch.Tensor,
                  K: torch.Tensor, V: torch.Tensor, *, max_context: int, widths: Sequence[int] = WIDTHS,
-                 prefill_chunk: int = 8192, pdl: bool | None = None, attn_split: int | None = None,
-                 fuse: bool | None = None, fuse_rows: int = FUSE_ROWS, fuse_conv_rows: int = FUSE_CONV_ROWS) -> None:
+                 prefill_chunk: int = 8192, pdl: bool | None = None, attn_split: int | None = None) -> None:
         from tandem_core.ops import rope as _rope
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_matmul as tm
         from tandem_core.ops import triton_pdl
         from tandem_core.settings import SETTINGS
 
-        if fuse is None:
-            fuse = bool(SETTINGS.get("QWEN38_FUSE"))
         if pdl is None:
             pdl = bool(SETTINGS.get("CUDA_PDL")) and torch.cuda.get_device_capability(S.device)[0] >= 9
         triton_pdl.set_enabled(pdl)
@@ -309,11 +291,6 @@ class CudaRunner:
         if self.widths[0] != 1 or self.widths[-1] > tm.MAX_ROWS:
             raise ValueError(f"widths {self.widths}: need 1 and at most {tm.MAX_ROWS}")
         self.prefill_chunk = int(prefill_chunk)
-        # the widths up to which a step uses the fused kernels (0: none; decode is width 1); the embedding
-        # gather folded into the first norm costs nothing extra at any width: every width when fusing
-        self.fuse = bool(fuse)
-        self.fuse_rows = int(fuse_rows) if fuse else 0
-        self.fuse_conv_rows = int(fuse_conv_rows) if fuse else 0
         self.device = dev = S.device
         self.length = 0
         c = cfg
@@ -375,42 +352,28 @@ class CudaRunner:
     def _step(self, W: int, meta: _Meta, decode: bool) -> None:
         from tandem_core.ops import triton_attention as ta
         from tandem_core.ops import triton_fused as tf
-        from tandem_core.ops import triton_fused_mm as fm
         from tandem_core.ops import triton_gdn as tg
         from tandem_core.ops import triton_matmul as tm
 
         c, fw = self.cfg, self.fw
         eps = c.rms_norm_eps
-        fuse_act, fuse_conv = W <= self.fuse_rows, W <= self.fuse_conv_rows
         head = meta.d("head")
         n = head[1:2]
+        torch.index_select(fw.embed, 0, meta.ids[:W], out=self.x[:W])
         x, h = self.x[:W], self.h[:W]
-        if self.fuse:
-            fm.embed_rms_norm_1p(fw.embed, meta.ids[:W], x, fw.layers[0].in_norm, eps, h)
-        else:
-            torch.index_select(fw.embed, 0, meta.ids[:W], out=x)
         parts: torch.Tensor | None = None
         for i, ly in enumerate(fw.layers):
-            if i > 0 or not self.fuse:
-                tf.add_rms_norm_1p(x, parts, ly.in_norm, eps, h)
+            tf.add_rms_norm_1p(x, parts, ly.in_norm, eps, h)
             m, s = ly.mixer, self.slots[i]
             if isinstance(m, GdnW):
                 proj = self.proj[s, :W]
                 tm.skinny_matmul(h, m.w_in, self._plan(m.w_in), out=proj)
-                win = meta.d("win").view(W, self.kw - 1)
-                if fuse_conv:
-                    fm.conv_gdn_tree(proj, self.conv[s], m.conv, win, self.qkvc[s:s + 1], self.proj[s:s + 1],
-                                     self.col_b, self.col_a, fw.A_log[s:s + 1], fw.dt_bias[s:s + 1],
-                                     self.S[s:s + 1], self.branch, self.o, meta.d("plan"), n, write_out=True,
-                                     final_store=decode, scale=self.dk ** -0.5, num_k_heads=self.hk,
-                                     head_dim=self.dk, qk_heads=2 * self.hk)
-                else:
-                    tf.conv_tree(proj, self.conv[s], m.conv, win, n, self.qkvc[s, :W], self.dk, 2 * self.hk,
-                                 W)
-                    tg.gdn_tree(self.qkvc[s:s + 1], self.proj[s:s + 1], self.col_b, self.col_a,
-                                fw.A_log[s:s + 1], fw.dt_bias[s:s + 1], self.S[s:s + 1], self.branch, self.o,
-                                meta.d("plan"), n, write_out=True, final_store=decode, scale=self.dk ** -0.5,
-                                num_k_heads=self.hk)
+                tf.conv_tree(proj, self.conv[s], m.conv, meta.d("win").view(W, self.kw - 1), n,
+                             self.qkvc[s, :W], self.dk, 2 * self.hk, W)
+                tg.gdn_tree(self.qkvc[s:s + 1], self.proj[s:s + 1], self.col_b, self.col_a,
+                            fw.A_log[s:s + 1], fw.dt_bias[s:s + 1], self.S[s:s + 1], self.branch, self.o,
+                            meta.d("plan"), n, write_out=True, final_store=decode, scale=self.dk ** -0.5,
+                            num_k_heads=self.hk)
                 tf.gated_rms_norm(self.o[:W], proj[:, self.C:], m.norm, eps, self.onorm[:W])
                 parts = self._mm_parts(self.onorm[:W], m.w_out)
             else:
@@ -424,29 +387,24 @@ class CudaRunner:
                 parts = self._mm_parts(self.aout[:W], m.w_o)
             tf.add_rms_norm_1p(x, parts, ly.post_norm, eps, h)
             tm.skinny_matmul(h, ly.w_gu, self._plan(ly.w_gu), out=self.gu[:W])
-            if fuse_act:
-                parts = self._mm_parts(self.gu[:W], ly.w_down, act=True)       # silu_mul made on load
-            else:
-                tf.silu_mul(self.gu[:W], self.act[:W])
-                parts = self._mm_parts(self.act[:W], ly.w_down)
+            tf.silu_mul(self.gu[:W], self.act[:W])
+            parts = self._mm_parts(self.act[:W], ly.w_down)
         tf.add_rms_norm_1p(x, parts, fw.norm, eps, h)
         tm.skinny_matmul(h, fw.head, self._plan(fw.head), out=self.logits[:W])
         if decode and len(self.fw.A_log):
             tf.conv_commit(self.conv, self.proj[:, :W], meta.d("path"), head[2:3])
 
-    def _mm_parts(self, x: torch.Tensor, w: torch.Tensor, act: bool = False) -> torch.Tensor:
+    def _mm_parts(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x @ w^T`` by the weight's plan into the step's buffers (bf16 rows, or fp32 partials of a split
-        K); ``act``: ``x`` is the gate/up rows ``[M, 2K]``, the matmul reads ``silu_mul(x)`` made on load."""
-        from tandem_core.ops import triton_fused_mm as fm
+        K)."""
         from tandem_core.ops import triton_matmul as tm
 
-        mm = fm.silu_mul_matmul if act else tm.skinny_matmul
         p = self._plan(w)
         M = x.shape[0]
         if p.split == 1:
-            return mm(x, w, p, out=self.pbuf[:M])
+            return tm.skinny_matmul(x, w, p, out=self.pbuf[:M])
         out = self.parts[:p.split, :M]
-        mm(x, w, p, out=out)
+        tm.skinny_matmul(x, w, p, out=out)
         return out
 
     def _plan(self, w: torch.Tensor) -> Any:

@@ -37,8 +37,7 @@ from tandem_qwen38.weights import Qwen38Weights
 
 __all__ = ["Qwen38CudaRunner"]
 
-_KERNELS = ("triton_matmul.py", "triton_fused.py", "triton_fused_mm.py", "triton_gdn.py",
-            "triton_attention.py")
+_KERNELS = ("triton_matmul.py", "triton_fused.py", "triton_gdn.py", "triton_attention.py")
 
 
 class Qwen38CudaRunner:
@@ -119,7 +118,6 @@ class Qwen38CudaRunner:
         files |= {str(kernels.with_name(n)) for n in _KERNELS}
         settings = {"dtype": self.w.dtype, "device": self.device.type, "path": "cuda_graphs",
                     "widths": list(self.run.widths),
-                    "fused_rows": {"silu_mul": self.run.fuse_rows, "conv_tree": self.run.fuse_conv_rows},
                     "matmul_plans": {f"{n}x{k}": asdict(p) for (n, k), p in sorted(self.run.plans.items())}}
         extra = {"arch": "qwen3_5", "weights": self.w.identity, "config": asdict(self.cfg)}
         return Manifest(tuple(sorted(files)), settings, extra)

@@ -27,12 +27,6 @@ SETTINGS_DECLARED = (
             "many tokens at a time; the result equals one full forward within fp32 rounding); 0: by device, "
             "512 on the CPU, 8192 on CUDA",
             int, arithmetic=True),
-    Setting("QWEN38_FUSE", False, "tandem_qwen38.cuda_graphs",
-            "the CUDA graph step's fused kernels (tandem_core.ops.triton_fused_mm: silu_mul in the down matmul, "
-            "conv_tree in the tree kernel, the embedding in the first norm; "
-            "113 launches fewer a 27B decode step); off: measured on the H200 in session 9 they bought nothing "
-            "(13.90 against 13.82 ms) and verified rows were no longer decode rows (h200-qwen38.md)",
-            bool, arithmetic=True),
 )
 
 
