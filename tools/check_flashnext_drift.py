@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             for y in names[i + 1:]:
                 A, B = runs[x][c], runs[y][c]
                 each = [rel(A[r], B[r]) for r in range(A.shape[0])]
-                last, worst = sum(each) / len(each), max(each)
+                mean, worst = sum(each) / len(each), max(each)
                 agree = float((A.argmax(-1) == B.argmax(-1)).float().mean())
-                out["pairs"][f"{c}:{x}-{y}"] = {"last": last, "max": worst, "top1": agree}
-                print(f"| {c} | {x} - {y} | {last:.4f} | {worst:.4f} | {agree:.2f} |")
+                out["pairs"][f"{c}:{x}-{y}"] = {"mean": mean, "max": worst, "top1": agree}
+                print(f"| {c} | {x} - {y} | {mean:.4f} | {worst:.4f} | {agree:.2f} |")
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     return 0

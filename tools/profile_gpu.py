@@ -206,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             results.append({"target": t, "context": a.context, "error": f"{type(e).__name__}: {e}"[:400]})
+        for r in results:                    # the JSON keeps the sequence the report prints, not every kernel
+            for v in r.values():
+                if isinstance(v, dict) and "sequence" in v:
+                    v["sequence"] = v["sequence"][: a.sequence]
         (a.out / "profile.json").write_text(json.dumps(results, indent=1, default=str))
         ok = [r for r in results if "error" not in r]
         (a.out / "profile.md").write_text(report(ok, a))
